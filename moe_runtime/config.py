@@ -1,0 +1,77 @@
+"""MoEConfig: the shape and routing rules of one Mixture-of-Experts layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+Scoring = Literal["softmax", "sigmoid"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Static description of one MoE layer.
+
+    Attributes:
+        hidden_size: H, the model width.
+        num_experts: E, routed experts in the whole layer (all ranks together).
+        top_k: k, experts per token, 1 <= k <= E.
+        moe_intermediate_size: I, the SwiGLU width of one routed expert.
+        scoring: "softmax" (Mixtral, Qwen2/3-MoE, OLMoE) or "sigmoid" (DeepSeek-V3).
+        norm_topk_prob: renormalize the k selected weights to sum to 1.
+        n_group, topk_group: group-limited top-k (DeepSeek-V3): experts are split into
+            n_group groups, each group scored by the sum of its top-2 scores, and only the
+            best topk_group groups are eligible. n_group=1 disables it.
+        routed_scaling_factor: multiplies the final routed weights (DeepSeek-V3: 2.5).
+        use_correction_bias: add `e_score_correction_bias` [E] to the scores for the
+            choice of experts only (weights use the unbiased scores), as DeepSeek-V3.
+        shared_expert_intermediate_size: width of the always-on shared expert MLP
+            (0 = none). DeepSeek-V3 uses n_shared_experts * moe_intermediate_size.
+        shared_expert_gate: Qwen2-MoE's sigmoid gate on the shared expert output.
+        router_logits_fp32: compute the router linear in fp32 (DeepSeek-V3's HF router does);
+            otherwise in the activation dtype (Mixtral, Qwen2/3-MoE, OLMoE).
+        dtype: parameter and activation dtype.
+
+    Raises:
+        ValueError: on inconsistent sizes (k > E, E % n_group != 0, ...).
+    """
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    scoring: Scoring = "softmax"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    use_correction_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    router_logits_fp32: bool = False
+    dtype: torch.dtype = field(default=torch.bfloat16)
+
+    def __post_init__(self):
+        if isinstance(self.dtype, str):
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            object.__setattr__(self, "dtype", _DTYPES[self.dtype])
+        for name in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError("topk_group * experts per group must be >= top_k")
+        if self.dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

@@ -1,0 +1,123 @@
+"""Expert weights of one rank and the grouped GEMMs over expert-major rows; shared experts."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_supported(device_type: str, device_index: int | None, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs for this device and dtype (probed once on tiny inputs).
+
+    On CUDA, torch's grouped GEMM needs sm_90+ and bf16; on CPU recent torch supports all float
+    dtypes. The probe runs outside any CUDA-graph capture (first use of a layer).
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    try:
+        a = torch.zeros(16, 16, dtype=dtype, device=dev)
+        b = torch.zeros(2, 16, 16, dtype=dtype, device=dev)
+        torch._grouped_mm(a, b, offs=torch.tensor([8, 16], dtype=torch.int32, device=dev))
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, use_grouped: bool) -> torch.Tensor:
+    """out[r] = x[r] @ w[e].T for the rows r of expert e.
+
+    Args:
+        x: [N, K] expert-major rows; expert e owns rows [offsets[e], offsets[e+1]).
+        w: [E_local, M, K] (HF layout: out-features first).
+        offsets: int32 [E_local + 1] on x's device.
+        use_grouped: torch._grouped_mm with the device offsets (no host sync), else a loop over
+            experts (reads the offsets on the host). Rows past offsets[-1] are unspecified
+            with the grouped path and zero with the loop.
+
+    Returns:
+        [N, M] in x.dtype.
+    """
+    if use_grouped:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    bounds = offsets.tolist()
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = F.linear(x[lo:hi], w[e])
+    return out
+
+
+class Experts(nn.Module):
+    """SwiGLU experts of one rank: y = down(silu(gate(x)) * up(x)) per expert.
+
+    Parameters use HF transformers' fused layout so swapped models share storage:
+        gate_up_proj: [E_local, 2*I, H] (gate rows first, then up rows)
+        down_proj:    [E_local, H, I]
+
+    Args:
+        num_local_experts, hidden_size, intermediate_size: E_local, H, I.
+        gate_up_proj, down_proj: existing tensors to wrap without copying (optional).
+        use_grouped_mm: None = probe the device/dtype; False forces the per-expert loop.
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *,
+                 dtype=torch.bfloat16, device=None, gate_up_proj=None, down_proj=None,
+                 use_grouped_mm: bool | None = None):
+        super().__init__()
+        E, H, I = num_local_experts, hidden_size, intermediate_size
+        if gate_up_proj is None:
+            gate_up_proj = torch.randn(E, 2 * I, H, dtype=dtype, device=device) * H ** -0.5
+        if down_proj is None:
+            down_proj = torch.randn(E, H, I, dtype=dtype, device=device) * I ** -0.5
+        if tuple(gate_up_proj.shape) != (E, 2 * I, H) or tuple(down_proj.shape) != (E, H, I):
+            raise ValueError(f"expert weights must be gate_up_proj [{E}, {2 * I}, {H}] and down_proj "
+                             f"[{E}, {H}, {I}], got {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+        self.gate_up_proj = _as_parameter(gate_up_proj)
+        self.down_proj = _as_parameter(down_proj)
+        self.intermediate_size = I
+        self.use_grouped_mm = use_grouped_mm
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        return grouped_mm_supported(x.device.type, x.device.index, x.dtype)
+
+    def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+        """expert_x [N, H] expert-major, expert_offsets int32 [E_local+1] -> [N, H]."""
+        grouped = self._grouped(expert_x)
+        h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
+        gate, up = h.split(self.intermediate_size, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)
+
+
+class SharedExpert(nn.Module):
+    """The always-on shared expert MLP (Qwen2-MoE, DeepSeek-V3), optionally sigmoid-gated.
+
+    y = down(silu(gate_proj(x)) * up_proj(x)) [* sigmoid(x @ gate.T) when gated (Qwen2-MoE)].
+    Submodule names follow HF: gate_proj, up_proj, down_proj (nn.Linear, no bias), and the
+    optional `gate` of [1, H].
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, gated: bool,
+                 dtype=torch.bfloat16, device=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.gate = nn.Linear(hidden_size, 1, **kw) if gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate is not None:
+            y = torch.sigmoid(self.gate(x)) * y
+        return y
+
+
+def _as_parameter(t: torch.Tensor) -> nn.Parameter:
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)

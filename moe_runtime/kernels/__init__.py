@@ -1,0 +1,59 @@
+"""Kernels: CuTeDSL implementations (`cute`) and their torch references (`reference`).
+
+`get_ops(backend)` returns a namespace with `route`, `dispatch` and `combine` of identical
+signatures and semantics (see `reference.py`); `resolve_backend` turns "auto" into a choice.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+from . import reference
+
+log = logging.getLogger("moe_runtime")
+
+BACKENDS = ("reference", "cute")
+
+
+@functools.lru_cache(maxsize=None)
+def cute_available() -> bool:
+    """True when nvidia-cutlass-dsl can be imported (the kernels also need a CUDA device)."""
+    return importlib.util.find_spec("cutlass") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(msg: str) -> None:
+    log.warning(msg)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Pick the kernel backend: "reference", "cute", or "auto" (cute on CUDA when importable).
+
+    Raises:
+        ValueError: unknown backend name, or "cute" on a non-CUDA device / without CuTeDSL.
+    """
+    if backend not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
+    device = torch.device(device)
+    if backend == "auto":
+        if device.type == "cuda" and cute_available():
+            return "cute"
+        if device.type == "cuda":
+            _log_once("moe_runtime: nvidia-cutlass-dsl is not importable; using the torch "
+                      "reference kernels on CUDA (pip install 'moe_runtime[gpu]')")
+        return "reference"
+    if backend == "cute" and (device.type != "cuda" or not cute_available()):
+        raise ValueError(f"backend 'cute' needs a CUDA device and nvidia-cutlass-dsl; got "
+                         f"device {device}, cutlass importable={cute_available()}")
+    return backend
+
+
+def get_ops(backend: str):
+    """The module implementing route/dispatch/combine for a resolved backend name."""
+    if backend == "reference":
+        return reference
+    from . import cute_ops
+    return cute_ops

@@ -1,0 +1,154 @@
+"""Torch references of every kernel, with the semantics the CuTeDSL kernels must match.
+
+These functions are the single source of truth for what routing, dispatch and combine compute.
+They run on any device (CPU in CI) and are used by the `reference` backends of the topologies.
+
+Conventions (DESIGN.md terms):
+    T tokens, H hidden, E experts (E_local on this rank), k = top-k.
+    topk_ids    int32 [T, k]   global expert ids, distinct within a token
+    topk_weights fp32 [T, k]
+    token_slot  int32 [T, k]   row of `expert_x` that holds (t, j), or -1 when expert
+                               topk_ids[t, j] is not local to this rank
+    expert_offsets int32 [E_local + 1]: expert e's rows are
+                               expert_x[expert_offsets[e] : expert_offsets[e] + counts[e]],
+                               and expert_offsets[e] is a multiple of `align`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    norm_topk_prob: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router epilogue: scores -> top-k ids, weights and per-expert counts.
+
+    Args:
+        logits: [T, E] router logits (any float dtype; computed in fp32).
+        top_k: k.
+        scoring: "softmax" (Mixtral, Qwen2/3-MoE, OLMoE: softmax over all E, then top-k) or
+            "sigmoid" (DeepSeek-V3: sigmoid scores; the choice uses score + correction_bias,
+            restricted to the best `topk_group` of `n_group` groups, a group scored by the sum
+            of its two best biased scores; masked experts get 0.0 as in HF transformers'
+            DeepseekV3MoE.route_tokens_to_experts).
+        norm_topk_prob: divide the k weights by their sum (sigmoid: sum + 1e-20).
+        routed_scaling_factor: multiplies the final weights.
+
+    Returns:
+        topk_ids int32 [T, k] in descending score order (ties: smaller expert id first),
+        topk_weights fp32 [T, k], counts int32 [E] (tokens routed to each expert).
+    """
+    scores_in = logits.float()
+    T, E = scores_in.shape
+    if scoring == "softmax":
+        scores = torch.softmax(scores_in, dim=-1)
+        choice = scores
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(scores_in)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if n_group > 1:
+            grouped = choice.view(T, n_group, E // n_group)
+            group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)
+            group_idx = _topk_ids(group_scores, topk_group)
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            keep = group_mask.bool().unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+            choice = choice.masked_fill(~keep, 0.0)
+    else:
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    ids = _topk_ids(choice, top_k)
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        denom = weights.sum(-1, keepdim=True)
+        weights = weights / (denom + 1e-20 if scoring == "sigmoid" else denom)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    return ids.to(torch.int32), weights.float(), counts
+
+
+def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row, descending, ties to the smaller index."""
+    # A stable sort on the negated values keeps equal values in index order.
+    return torch.sort(-values, dim=-1, stable=True).indices[:, :k]
+
+
+def dispatch_capacity(num_tokens: int, top_k: int, num_local_experts: int, align: int = 1) -> int:
+    """Rows of `expert_x` a dispatch allocates: T*k plus the worst-case per-expert padding."""
+    return num_tokens * top_k + num_local_experts * (align - 1)
+
+
+def dispatch(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_start: int,
+    num_local_experts: int,
+    align: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Permute token rows into expert-major order for the experts [expert_start, +E_local).
+
+    Args:
+        x: [T, H] token rows.
+        topk_ids: int32 [T, k] global expert ids.
+        expert_start: first global expert id owned here.
+        num_local_experts: E_local.
+        align: pad every expert's segment start to a multiple of this many rows.
+
+    Returns:
+        expert_x [dispatch_capacity(T, k, E_local, align), H] (x.dtype; rows past
+        expert_offsets[-1] and padding rows are zero here, unspecified in kernels),
+        expert_offsets int32 [E_local + 1], token_slot int32 [T, k] (-1 = not local).
+        Within an expert the reference orders rows by (t, j); kernels may use any order, so
+        tests compare through `token_slot`.
+    """
+    T, k = topk_ids.shape
+    H = x.shape[1]
+    dev = x.device
+    local = topk_ids.long() - expert_start
+    is_local = (local >= 0) & (local < num_local_experts)
+    flat_e = torch.where(is_local, local, torch.full_like(local, num_local_experts)).flatten()
+    counts = torch.bincount(flat_e, minlength=num_local_experts + 1)[:num_local_experts]
+    padded = (counts + align - 1) // align * align
+    offsets = torch.zeros(num_local_experts + 1, dtype=torch.long, device=dev)
+    offsets[1:] = torch.cumsum(padded, 0)
+    order = torch.sort(flat_e, stable=True).indices  # (t, j) order within each expert
+    sorted_e = flat_e[order]
+    n_local = int(counts.sum())
+    order, sorted_e = order[:n_local], sorted_e[:n_local]
+    seg_start = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(n_local, device=dev) - seg_start[sorted_e]
+    slot = torch.full((T * k,), -1, dtype=torch.long, device=dev)
+    slot[order] = offsets[sorted_e] + rank_in_expert
+    expert_x = torch.zeros(dispatch_capacity(T, k, num_local_experts, align), H, dtype=x.dtype, device=dev)
+    expert_x[slot[order]] = x[order // k]
+    return expert_x, offsets.to(torch.int32), slot.view(T, k).to(torch.int32)
+
+
+def combine(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted gather-sum back into token order: y[t] = sum_j w[t,j] * expert_y[slot[t,j]].
+
+    Args:
+        expert_y: [N, H] expert outputs in expert-major order.
+        token_slot: int32 [T, k] rows of expert_y; -1 entries contribute nothing.
+        topk_weights: fp32 [T, k].
+
+    Returns:
+        y [T, H] in expert_y.dtype; the sum is accumulated in fp32 in order j = 0..k-1.
+    """
+    T, k = token_slot.shape
+    y = torch.zeros(T, expert_y.shape[1], dtype=torch.float32, device=expert_y.device)
+    for j in range(k):
+        s = token_slot[:, j].long()
+        valid = s >= 0
+        rows = expert_y[s.clamp(min=0)].float()
+        w = torch.where(valid, topk_weights[:, j].float(), torch.zeros_like(topk_weights[:, j]))
+        y += w.unsqueeze(1) * torch.where(valid.unsqueeze(1), rows, torch.zeros_like(rows))
+    return y.to(expert_y.dtype)

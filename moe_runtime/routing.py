@@ -1,0 +1,55 @@
+"""Routers: router linear + top-k epilogue (softmax or DeepSeek-V3 sigmoid/group-limited).
+
+The epilogue semantics live in `kernels.reference.route`; on CUDA with CuTeDSL the fused
+routing kernel (`kernels.cute_ops.route`) computes the same ids and weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+from .kernels import get_ops, resolve_backend
+
+
+class Router(nn.Module):
+    """Router linear (`weight` [E, H]) and top-k selection.
+
+    Args:
+        config: the layer's MoEConfig.
+        backend: kernel backend for the epilogue ("auto", "reference", "cute").
+
+    Buffers/parameters:
+        weight: [E, H] in config.dtype, as HF `gate.weight`.
+        e_score_correction_bias: fp32 [E] when config.use_correction_bias (DeepSeek-V3).
+    """
+
+    def __init__(self, config: MoEConfig, *, backend: str = "auto", device=None):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
+                                               dtype=config.dtype, device=device))
+        nn.init.normal_(self.weight, std=config.hidden_size ** -0.5)
+        if config.use_correction_bias:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+        else:
+            self.e_score_correction_bias = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype."""
+        if self.config.router_logits_fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k])."""
+        c = self.config
+        ops = get_ops(resolve_backend(self.backend, x.device))
+        ids, weights, _ = ops.route(
+            self.logits(x), c.top_k, scoring=c.scoring, norm_topk_prob=c.norm_topk_prob,
+            correction_bias=self.e_score_correction_bias, n_group=c.n_group,
+            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor)
+        return ids, weights

@@ -1,0 +1,139 @@
+"""The topology contract: move tokens between token owners and expert owners (DESIGN.md).
+
+    result = topo.dispatch(x[T,H], topk_ids[T,k] int32, topk_weights[T,k] fp32)
+    y[T,H] = topo.combine(expert_y[N,H], result)
+
+A topology never computes experts. `expert_x` rows are grouped by local expert, expert e's rows
+start at `expert_offsets[e]` (a multiple of `align`) and there are `counts` of them; rows past
+`expert_offsets[-1]` and padding rows hold unspecified values.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class DispatchResult:
+    """What dispatch returns and combine consumes.
+
+    Attributes:
+        expert_x: [N, H] rows in expert-major order (N >= expert_offsets[-1]).
+        expert_offsets: int32 [E_local + 1] on x's device; segment starts, last = rows used.
+        handle: backend state combine needs (slot maps, routing of rows back to ranks, ...).
+    """
+
+    expert_x: torch.Tensor
+    expert_offsets: torch.Tensor
+    handle: dict[str, Any] = field(default_factory=dict)
+
+
+class Topology(abc.ABC):
+    """Base class: rank/world bookkeeping, the even expert split, input validation.
+
+    Args:
+        num_experts: E, experts of the whole layer.
+        rank, world_size: this rank and the number of ranks.
+        align: pad each local expert's row segment start to a multiple of this (>= 1).
+
+    Raises:
+        ValueError: num_experts % world_size != 0, or align < 1.
+    """
+
+    name: str = "base"
+
+    def __init__(self, num_experts: int, *, rank: int = 0, world_size: int = 1, align: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if num_experts % world_size:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by world_size ({world_size}): "
+                "experts are split evenly across ranks")
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
+        self.num_experts = num_experts
+        self.rank = rank
+        self.world_size = world_size
+        self.align = align
+        self.num_local_experts = num_experts // world_size
+        self.expert_start = rank * self.num_local_experts
+
+    # -- the contract -------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 *, check_values: bool = True) -> DispatchResult:
+        """Validate, then move token rows to their experts (see the module docstring).
+
+        Raises:
+            TypeError: wrong dtypes (x float32/bf16/fp16; topk_ids int32; topk_weights float32).
+            ValueError: wrong shapes or devices; with check_values, expert ids outside [0, E)
+                or repeated within a token (the check reads the ids on the host).
+        """
+        validate_routing(x, topk_ids, topk_weights, self.num_experts, check_values=check_values)
+        return self._dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous())
+
+    def combine(self, expert_y: torch.Tensor, result: DispatchResult) -> torch.Tensor:
+        """Weighted sum over k back in token order: y [T, H] in expert_y.dtype.
+
+        Raises:
+            ValueError: expert_y has fewer rows than dispatch produced, or another hidden size.
+        """
+        ex = result.expert_x
+        if expert_y.dim() != 2 or expert_y.shape[0] < ex.shape[0] or expert_y.shape[1] != ex.shape[1]:
+            raise ValueError(f"expert_y must be [>= {ex.shape[0]}, {ex.shape[1]}] like expert_x, "
+                             f"got {tuple(expert_y.shape)}")
+        if expert_y.device != ex.device:
+            raise ValueError(f"expert_y must be on {ex.device}, got {expert_y.device}")
+        return self._combine(expert_y.contiguous(), result)
+
+    @abc.abstractmethod
+    def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult: ...
+
+    @abc.abstractmethod
+    def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor: ...
+
+    def describe(self) -> str:
+        return (f"{self.name}(rank {self.rank}/{self.world_size}, experts "
+                f"[{self.expert_start}, {self.expert_start + self.num_local_experts}))")
+
+
+def validate_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     num_experts: int, *, check_values: bool = True) -> None:
+    """Check the dispatch inputs at the Python boundary; raise with expected vs got."""
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if topk_ids.dtype != torch.int32:
+        raise TypeError(f"topk_ids must be torch.int32, got {topk_ids.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise TypeError(f"topk_weights must be torch.float32, got {topk_weights.dtype}")
+    T = x.shape[0]
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be [T={T}, k], got shape {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"top-k must be in [1, num_experts={num_experts}], got k={k}")
+    if tuple(topk_weights.shape) != (T, k):
+        raise ValueError(f"topk_weights must be [{T}, {k}] like topk_ids, got {tuple(topk_weights.shape)}")
+    if topk_ids.device != x.device or topk_weights.device != x.device:
+        raise ValueError(f"x, topk_ids and topk_weights must share a device, got {x.device}, "
+                         f"{topk_ids.device}, {topk_weights.device}")
+    if check_values and T > 0:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
+        if k > 1:
+            s = torch.sort(topk_ids, dim=1).values
+            dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
+            if bool(dup.any()):
+                t = int(dup.nonzero()[0, 0])
+                raise ValueError(f"topk_ids must be distinct within a token; token {t} has "
+                                 f"{topk_ids[t].tolist()}")

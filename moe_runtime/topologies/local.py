@@ -1,0 +1,35 @@
+"""`local` topology (TP=1): one GPU holds every token and every expert."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import get_ops, resolve_backend
+from .base import DispatchResult, Topology
+
+
+class LocalTopology(Topology):
+    """Dispatch = permute rows into expert-major order; combine = weighted gather-sum.
+
+    Args:
+        num_experts: E (all local).
+        align: per-expert segment alignment in rows (for the grouped GEMM).
+        backend: "reference" (torch), "cute" (CuTeDSL kernels, CUDA) or "auto".
+    """
+
+    name = "local"
+
+    def __init__(self, num_experts: int, *, align: int = 1, backend: str = "auto"):
+        super().__init__(num_experts, rank=0, world_size=1, align=align)
+        self.backend = backend
+
+    def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
+        ops = get_ops(resolve_backend(self.backend, x.device))
+        expert_x, offsets, slot = ops.dispatch(
+            x, topk_ids, expert_start=self.expert_start,
+            num_local_experts=self.num_local_experts, align=self.align)
+        return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights,
+                                                  "ops": ops})
+
+    def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
+        h = result.handle
+        return h["ops"].combine(expert_y, h["token_slot"], h["topk_weights"])
