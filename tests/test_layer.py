@@ -1,0 +1,211 @@
+"""MoEConfig, Router, Experts, local topology and MoELayer on the CPU (reference backend)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from moe_runtime import MoEConfig, MoELayer
+from moe_runtime.experts import Experts
+from moe_runtime.kernels import reference as R
+from moe_runtime.topologies.local import LocalTopology
+
+
+def naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Token-by-token float64 MoE with the layer's own routing decisions."""
+    c = layer.config
+    ids, w = layer.router(x)
+    xd = x.double()
+    gu, dn = layer.experts.gate_up_proj.double(), layer.experts.down_proj.double()
+    y = torch.zeros_like(xd)
+    for t in range(x.shape[0]):
+        for j in range(c.top_k):
+            e = int(ids[t, j])
+            g, u = (gu[e] @ xd[t]).split(c.moe_intermediate_size)
+            y[t] += float(w[t, j]) * (dn[e] @ (F.silu(g) * u))
+    if layer.shared_expert is not None:
+        y += layer.shared_expert.double()(xd)
+        layer.shared_expert.to(c.dtype)
+    return y
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("align", [1, 8])
+@pytest.mark.parametrize("family", ["softmax", "sigmoid_groups_shared", "softmax_gated_shared"])
+def test_layer_matches_float64(dtype, tol, align, family):
+    torch.manual_seed(hash((family, align)) % 2**31)
+    kw = dict(hidden_size=40, num_experts=8, top_k=3, moe_intermediate_size=24, dtype=dtype)
+    if family == "sigmoid_groups_shared":
+        kw.update(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                  use_correction_bias=True, shared_expert_intermediate_size=32, router_logits_fp32=True)
+    elif family == "softmax_gated_shared":
+        kw.update(norm_topk_prob=False, shared_expert_intermediate_size=16, shared_expert_gate=True)
+    cfg = MoEConfig(**kw)
+    layer = MoELayer(cfg, topology=LocalTopology(8, align=align, backend="reference"), backend="reference")
+    if cfg.use_correction_bias:
+        layer.router.e_score_correction_bias.normal_()
+    x = torch.randn(2, 9, 40).to(dtype)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert rel_err(y.reshape(-1, 40), naive_moe(layer, x.reshape(-1, 40))) <= tol
+
+
+def test_layer_empty_and_single_token():
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=torch.float32)
+    layer = MoELayer(cfg, topology=LocalTopology(4, backend="reference"), backend="reference")
+    assert layer(torch.randn(0, 16)).shape == (0, 16)
+    x = torch.randn(1, 16)
+    assert rel_err(layer(x), naive_moe(layer, x)) <= 1e-5
+
+
+def test_layer_bad_input():
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=torch.float32)
+    layer = MoELayer(cfg, topology=LocalTopology(4, backend="reference"), backend="reference")
+    with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):
+        layer(torch.randn(3, 15))
+    with pytest.raises(TypeError, match="float32"):
+        layer(torch.randn(3, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad,exc,msg", [
+    (dict(top_k=9), ValueError, "top_k"),
+    (dict(n_group=3), ValueError, "divisible by n_group"),
+    (dict(n_group=4, topk_group=5), ValueError, "topk_group"),
+    (dict(scoring="relu"), ValueError, "scoring"),
+    (dict(dtype="float64"), ValueError, "dtype"),
+    (dict(hidden_size=0), ValueError, "hidden_size"),
+])
+def test_config_rejects(bad, exc, msg):
+    kw = dict(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8)
+    kw.update(bad)
+    with pytest.raises(exc, match=msg):
+        MoEConfig(**kw)
+
+
+def test_experts_grouped_equals_loop():
+    torch.manual_seed(1)
+    ex = Experts(5, 32, 16, dtype=torch.float32, use_grouped_mm=True)
+    loop = Experts(5, 32, 16, gate_up_proj=ex.gate_up_proj, down_proj=ex.down_proj, use_grouped_mm=False)
+    offsets = torch.tensor([0, 3, 3, 11, 12, 20], dtype=torch.int32)  # expert 1 empty
+    x = torch.randn(20, 32)
+    torch.testing.assert_close(ex(x, offsets), loop(x, offsets), rtol=1e-5, atol=1e-5)
+
+
+def test_experts_share_storage_and_check_shapes():
+    gu, dn = torch.randn(3, 8, 4), torch.randn(3, 4, 4)
+    ex = Experts(3, 4, 4, gate_up_proj=gu, down_proj=dn)
+    assert ex.gate_up_proj.data_ptr() == gu.data_ptr()
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        Experts(3, 4, 5, gate_up_proj=gu, down_proj=dn)
+
+
+# --- routing reference against an independent float64 computation --------------------------------
+
+def _naive_route(logits, k, scoring, norm, bias, n_group, topk_group, scale):
+    T, E = logits.shape
+    ids, ws = [], []
+    for t in range(T):
+        l = logits[t].double()
+        s = torch.softmax(l, 0) if scoring == "softmax" else torch.sigmoid(l)
+        c = s.clone() if bias is None else s + bias.double()
+        if n_group > 1:
+            g = c.view(n_group, -1)
+            gs = torch.stack([row.sort(descending=True).values[:2].sum() for row in g])
+            keep = sorted(range(n_group), key=lambda i: (-float(gs[i]), i))[:topk_group]
+            mask = torch.zeros(n_group, dtype=torch.bool)
+            mask[keep] = True
+            c = torch.where(mask.repeat_interleave(E // n_group), c, torch.zeros_like(c))
+        order = sorted(range(E), key=lambda e: (-float(c[e]), e))[:k]
+        w = s[order]
+        if norm:
+            w = w / w.sum()
+        ids.append(order)
+        ws.append(w * scale)
+    if T == 0:
+        return torch.zeros(0, k, dtype=torch.int32), torch.zeros(0, k)
+    return torch.tensor(ids, dtype=torch.int32), torch.stack(ws).float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 12), E=st.sampled_from([4, 8, 16]), k=st.integers(1, 4),
+       scoring=st.sampled_from(["softmax", "sigmoid"]), norm=st.booleans(),
+       groups=st.sampled_from([(1, 1), (2, 1), (4, 2)]), seed=st.integers(0, 2**16))
+def test_route_reference_matches_naive(T, E, k, scoring, norm, groups, seed):
+    n_group, topk_group = groups if scoring == "sigmoid" else (1, 1)
+    k = min(k, topk_group * E // n_group)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1 if scoring == "sigmoid" else None
+    scale = 2.5 if scoring == "sigmoid" else 1.0
+    ids, w, counts = R.route(logits, k, scoring=scoring, norm_topk_prob=norm, correction_bias=bias,
+                             n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale)
+    nids, nw = _naive_route(logits, k, scoring, norm, bias, n_group, topk_group, scale)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and counts.dtype == torch.int32
+    assert torch.equal(ids, nids.view(T, k))
+    torch.testing.assert_close(w, nw.view(T, k), rtol=1e-6, atol=1e-6)
+    assert torch.equal(counts, torch.bincount(nids.view(-1).long(), minlength=E).int())
+
+
+def test_route_ties_go_to_smaller_id():
+    ids, _, _ = R.route(torch.zeros(2, 6), 3)
+    assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+# --- dispatch/combine reference properties --------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 20), E=st.sampled_from([1, 4, 8]), k=st.integers(1, 4), align=st.sampled_from([1, 4, 16]),
+       shard=st.sampled_from([(0, 1), (1, 2), (3, 4)]), seed=st.integers(0, 2**16))
+def test_dispatch_combine_reference(T, E, k, align, shard, seed):
+    rank, world = shard
+    if E % world:
+        world, rank = 1, 0
+    k = min(k, E)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)] or
+                      [torch.zeros(0, k, dtype=torch.long)]).int().view(T, k)
+    x = torch.randn(T, 6, generator=g)
+    w = torch.rand(T, k, generator=g)
+    el = E // world
+    ex, off, slot = R.dispatch(x, ids, expert_start=rank * el, num_local_experts=el, align=align)
+    assert ex.shape[0] == R.dispatch_capacity(T, k, el, align) and off.dtype == torch.int32
+    local = (ids >= rank * el) & (ids < (rank + 1) * el)
+    assert torch.equal(slot >= 0, local)
+    assert bool((off % align == 0).all()) and off[0] == 0
+    for e in range(el):
+        mine = slot[ids == rank * el + e]
+        n = mine.numel()
+        assert sorted(mine.tolist()) == list(range(int(off[e]), int(off[e]) + n))
+        assert int(off[e + 1]) - int(off[e]) == (n + align - 1) // align * align
+    t_idx = torch.arange(T).unsqueeze(1).expand(T, k)
+    assert torch.equal(ex[slot[local].long()], x[t_idx[local]])
+    y = R.combine(ex, slot, w)
+    expected = x * torch.where(local, w, torch.zeros_like(w)).sum(1, keepdim=True)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_local_topology_identity_and_validation():
+    topo = LocalTopology(8, backend="reference")
+    x = torch.randn(6, 16)[:, ::2]  # non-contiguous input
+    ids = torch.tensor([[0, 1]] * 6, dtype=torch.int32)
+    w = torch.rand(6, 2)
+    res = topo.dispatch(x, ids, w)
+    y = topo.combine(res.expert_x, res)
+    torch.testing.assert_close(y, x * w.sum(1, keepdim=True))
+    with pytest.raises(ValueError, match=r"in \[0, 8\)"):
+        topo.dispatch(x, torch.tensor([[0, 8]] * 6, dtype=torch.int32), w)
+    with pytest.raises(ValueError, match="distinct"):
+        topo.dispatch(x, torch.tensor([[3, 3]] * 6, dtype=torch.int32), w)
+    with pytest.raises(TypeError, match="int32"):
+        topo.dispatch(x, ids.long(), w)
+    with pytest.raises(TypeError, match="float32"):
+        topo.dispatch(x, ids, w.double())
+    with pytest.raises(ValueError, match=r"\[6, 2\]"):
+        topo.dispatch(x, ids, w[:, :1])
+    with pytest.raises(ValueError, match="expert_y"):
+        topo.combine(res.expert_x[:, :4], res)
+    with pytest.raises(ValueError, match="backend"):
+        LocalTopology(8, backend="magic").dispatch(x, ids, w)
