@@ -1,0 +1,146 @@
+"""Process groups and bounded collectives over torch.distributed (gloo on CPU, nccl on CUDA).
+
+Every collective here is bounded: the group is created with a timeout, and each call may pass
+its own `timeout_s` (a wait on the async work). A peer that never joins surfaces as a
+`CollectiveError` naming this rank and the step, never as a hang. After such an error the
+group's state is undefined (gloo closes the pairs): build a new group before using it again.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+#: Group timeout when none is given; override with MOE_RUNTIME_COMM_TIMEOUT_S (seconds).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer stalled, died, or passed mismatched sizes)."""
+
+
+def default_timeout_s() -> float:
+    """The group timeout in seconds: $MOE_RUNTIME_COMM_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
+    v = os.environ.get("MOE_RUNTIME_COMM_TIMEOUT_S")
+    return float(v) if v else DEFAULT_TIMEOUT_S
+
+
+def default_backend(device: Optional[torch.device] = None) -> str:
+    """"nccl" for CUDA (or when CUDA is available and no device is given), else "gloo"."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _timedelta(timeout_s: Optional[float]) -> datetime.timedelta:
+    return datetime.timedelta(seconds=default_timeout_s() if timeout_s is None else timeout_s)
+
+
+def init_process_group(rank: int, world_size: int, *, backend: Optional[str] = None,
+                       init_method: Optional[str] = None, master_addr: str = "127.0.0.1",
+                       master_port: Optional[int] = None, timeout_s: Optional[float] = None):
+    """Initialize the default group with a timeout and return it.
+
+    Args:
+        rank, world_size: this process's rank and the number of processes.
+        backend: "gloo", "nccl" or None (= default_backend()).
+        init_method: a torch.distributed init URL; default tcp://master_addr:master_port
+            (master_port default: $MASTER_PORT, else 29500).
+        timeout_s: bound on every collective of the group (default default_timeout_s()).
+
+    Raises:
+        ValueError: rank outside [0, world_size).
+        RuntimeError / DistStoreError: peers did not join within the timeout.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if init_method is None:
+        port = master_port if master_port is not None else int(os.environ.get("MASTER_PORT", 29500))
+        init_method = f"tcp://{master_addr}:{port}"
+    dist.init_process_group(backend or default_backend(), init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=_timedelta(timeout_s))
+    return dist.group.WORLD
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] = None,
+              timeout_s: Optional[float] = None):
+    """A subgroup with its own timeout. Every rank of the default group must call this."""
+    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend,
+                          timeout=_timedelta(timeout_s))
+
+
+def group_rank_size(group=None) -> tuple[int, int]:
+    """(rank in group, group size) for a ProcessGroup, or the default group when None.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: this process is not a member of `group`.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call "
+                           "moe_runtime.comm.init_process_group(rank, world_size) first, or use "
+                           "the 'local' topology for a single rank")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not in the group")
+    return rank, dist.get_world_size(group)
+
+
+def _bounded(step: str, group, timeout_s: Optional[float], start) -> None:
+    """Run `start()` (returns async Work), wait with the bound, and name the step on failure."""
+    try:
+        work = start()
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=_timedelta(timeout_s))
+    except Exception as e:  # gloo/nccl raise RuntimeError subclasses with backend text
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        bound = f"{timeout_s}s" if timeout_s is not None else "the group timeout"
+        raise CollectiveError(f"rank {rank}/{world}: collective '{step}' failed or timed out "
+                              f"(bound: {bound}; a peer may have stalled or died): {e}") from e
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *,
+                      output_split_sizes: Optional[list[int]] = None,
+                      input_split_sizes: Optional[list[int]] = None, group=None,
+                      step: str = "all_to_all", timeout_s: Optional[float] = None) -> torch.Tensor:
+    """Bounded torch.distributed.all_to_all_single along dim 0 (gloo supports it on CPU).
+
+    Args:
+        output: [sum(output_split_sizes), ...] receive buffer (filled in place and returned).
+        input: [sum(input_split_sizes), ...] rows, chunk d goes to rank d.
+        *_split_sizes: rows per rank (None = equal split).
+
+    Raises:
+        CollectiveError: failure or timeout, naming this rank and `step`.
+    """
+    _bounded(step, group, timeout_s, lambda: dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=True))
+    return output
+
+
+def all_reduce_sum(t: torch.Tensor, *, group=None, step: str = "all_reduce",
+                   timeout_s: Optional[float] = None) -> torch.Tensor:
+    """Bounded in-place SUM all-reduce of `t`; returns `t`. Raises CollectiveError."""
+    _bounded(step, group, timeout_s,
+             lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    return t
+
+
+def all_gather_object(obj: Any, *, group=None, step: str = "all_gather_object") -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (bounded by the group timeout).
+
+    Raises:
+        CollectiveError: failure or timeout, naming this rank and `step`.
+    """
+    out: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except Exception as e:
+        raise CollectiveError(f"rank {dist.get_rank(group)}/{len(out)}: collective '{step}' "
+                              f"failed or timed out: {e}") from e
+    return out

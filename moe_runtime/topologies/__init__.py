@@ -1,0 +1,61 @@
+"""Topologies: how token rows move between token owners and expert owners (DESIGN.md).
+
+`make_topology(name, num_experts, group=..., align=..., backend=...)` builds one by name;
+`select.select_topology` says which name fits a cluster.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .base import DispatchResult, Topology, validate_routing
+from .distributed import (BackendNotImplementedError, DataParallelTopology, GroupTopology,
+                          resolve_group_backend)
+from .dp_nvlink import DPNVLinkTopology
+from .dp_p2p import DPP2PTopology
+from .local import LocalTopology
+from .tp import TPTopology
+
+TOPOLOGIES: dict[str, type[Topology]] = {
+    "local": LocalTopology,
+    "tp": TPTopology,
+    "dp_nvlink": DPNVLinkTopology,
+    "dp_p2p": DPP2PTopology,
+}
+
+
+def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
+                  backend: str = "auto", timeout_s: Optional[float] = None) -> Topology:
+    """Build the topology `name` for a layer of `num_experts` experts.
+
+    Args:
+        name: "local", "tp", "dp_nvlink" or "dp_p2p".
+        group: ProcessGroup for the multi-rank topologies (None = default group); "local"
+            accepts None or a group of one rank.
+        align: per-expert segment alignment in rows.
+        backend: "reference", "cute" or "auto" (local: see kernels.resolve_backend; the
+            multi-rank topologies: see distributed.resolve_group_backend).
+        timeout_s: per-collective bound for the multi-rank topologies (None = group timeout).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones), bad backend, experts not
+            divisible by the world size, align < 1, or a multi-rank group for "local".
+        BackendNotImplementedError (a ValueError): backend "cute" for a multi-rank topology.
+    """
+    if name not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {name!r}; expected one of {sorted(TOPOLOGIES)}")
+    if name == "local":
+        if group is not None:
+            import torch.distributed as dist
+            if dist.get_world_size(group) != 1:
+                raise ValueError(f"topology 'local' runs on 1 rank, got a group of "
+                                 f"{dist.get_world_size(group)}")
+        return LocalTopology(num_experts, align=align, backend=backend)
+    return TOPOLOGIES[name](num_experts, group=group, align=align, backend=backend,
+                            timeout_s=timeout_s)
+
+
+__all__ = [
+    "TOPOLOGIES", "make_topology", "Topology", "DispatchResult", "validate_routing",
+    "LocalTopology", "TPTopology", "DPNVLinkTopology", "DPP2PTopology", "DataParallelTopology",
+    "GroupTopology", "BackendNotImplementedError", "resolve_group_backend",
+]
