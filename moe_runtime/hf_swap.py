@@ -1,0 +1,205 @@
+"""Swap the MoE blocks of HF transformers (>= 5) models for `moe_runtime.MoELayer`, in place.
+
+Supported blocks (transformers 5.x, `transformers/models/<family>/modeling_<family>.py`):
+
+| family      | block class              | router                                   | shared expert                  |
+|-------------|--------------------------|------------------------------------------|--------------------------------|
+| Qwen3-MoE   | Qwen3MoeSparseMoeBlock   | softmax top-k, `norm_topk_prob` (config) | -                              |
+| Qwen2-MoE   | Qwen2MoeSparseMoeBlock   | softmax top-k, `norm_topk_prob` (config) | `shared_expert` MLP, sigmoid `shared_expert_gate` |
+| Mixtral     | MixtralSparseMoeBlock    | softmax top-k, always renormalized       | -                              |
+| OLMoE       | OlmoeSparseMoeBlock      | softmax top-k, `norm_topk_prob` (config) | -                              |
+| DeepSeek-V3 | DeepseekV3MoE            | fp32 logits, sigmoid + e_score_correction_bias, n_group/topk_group, routed_scaling_factor | `shared_experts` MLP (ungated) |
+
+Every family stores its routed experts in the fused v5 layout that `Experts` uses as is
+(gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I], SiLU, no bias), its router
+weight as [E, H] and its shared expert as three bias-free nn.Linear, so NO tensor is copied for any
+of the five families: the replacement's parameters and buffers ARE the HF ones (same storage; under
+a multi-rank topology the routed experts are a view of this rank's slice). The MoELayer is built
+on the meta device first, so the swap allocates no weight memory at all.
+
+All five blocks return one tensor [batch, seq, H] in transformers 5.x, which MoELayer also returns.
+
+Differences from the HF module, by design:
+    * The routed weights are applied and summed in fp32 (`kernels.reference.combine`); HF Qwen2/3
+      and OLMoE round the weights to the activation dtype first and accumulate per expert in the
+      activation dtype. In fp32 the two agree to rounding; in bf16 they differ by bf16 rounding.
+    * Mixtral's `router_jitter_noise` (training only) is not applied.
+    * `output_router_logits=True` no longer records router logits: HF records them with forward hooks
+      on its router classes, which the swapped model no longer contains.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import MoEConfig
+from .layer import MoELayer
+
+_MODELS = "transformers.models"
+_LAYER_KWARGS = ("backend", "group", "align")
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How to read one family's HF MoE block (attribute names in transformers 5.x).
+
+    Attributes:
+        name: human-readable family name.
+        module, block: where the block class lives and its name (matched exactly, no subclasses).
+        scoring: MoEConfig.scoring of its router.
+        norm_topk_prob: fixed renormalization, or None to read `router.norm_topk_prob`.
+        shared: attribute of the shared-expert MLP (gate_proj/up_proj/down_proj), or None.
+        shared_gate: attribute of the shared expert's sigmoid gate nn.Linear(H, 1), or None.
+        router_logits_fp32: whether HF computes the router linear in fp32.
+    """
+
+    name: str
+    module: str
+    block: str
+    scoring: str = "softmax"
+    norm_topk_prob: bool | None = None
+    shared: str | None = None
+    shared_gate: str | None = None
+    router_logits_fp32: bool = False
+
+
+FAMILIES = (
+    _Family("Qwen3-MoE", f"{_MODELS}.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    _Family("Qwen2-MoE", f"{_MODELS}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
+            shared="shared_expert", shared_gate="shared_expert_gate"),
+    _Family("Mixtral", f"{_MODELS}.mixtral.modeling_mixtral", "MixtralSparseMoeBlock",
+            norm_topk_prob=True),
+    _Family("OLMoE", f"{_MODELS}.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock"),
+    _Family("DeepSeek-V3", f"{_MODELS}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE",
+            scoring="sigmoid", shared="shared_experts", router_logits_fp32=True),
+)
+_BY_CLASS = {(f.module, f.block): f for f in FAMILIES}
+
+
+def supported_blocks() -> str:
+    """The supported HF block classes, one 'Family (ClassName)' per entry, comma-separated."""
+    return ", ".join(f"{f.name} ({f.block})" for f in FAMILIES)
+
+
+def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
+    """Replace every supported HF MoE block of `model` with a MoELayer sharing its weights.
+
+    Args:
+        model: an HF transformers 5.x model (any head) or a single supported block. Blocks are
+            found anywhere in the module tree and replaced where they are, so the model keeps its
+            class, config, device and dtype. MoELayers already in the model are left alone.
+        topology: a topology name ("local", "tp", "dp_nvlink", "dp_p2p"), built once per layer
+            by MoELayer, or one Topology instance shared by all layers.
+        **kw: `backend`, `group`, `align`, passed on to MoELayer.
+
+    Returns:
+        `model`, modified in place; when `model` itself is a supported block, the new MoELayer.
+        Each replacement's forward maps hidden_states [..., H] (the experts' dtype) to [..., H].
+
+    Raises:
+        TypeError: a keyword other than backend/group/align.
+        ValueError: the model holds an MoE block (a module with an `experts` child) of a class not
+            in the table above (the message names it and lists the supported ones), a supported
+            block that deviates from the supported form (activation other than SiLU, unfused or
+            biased experts, pre-5.0 transformers layout), or no MoE block at all.
+    """
+    bad = sorted(set(kw) - set(_LAYER_KWARGS))
+    if bad:
+        raise TypeError(f"swap_moe_layers got unexpected keyword(s) {bad}; accepted: "
+                        f"topology, {', '.join(_LAYER_KWARGS)}")
+    found, unsupported = [], []
+    _walk(model, "", found, unsupported)
+    if unsupported:
+        raise ValueError(f"unsupported MoE block(s): {', '.join(unsupported)}; supported: "
+                         f"{supported_blocks()}")
+    if not found and not _contains_moe_layer(model):
+        raise ValueError(f"no MoE block found in {type(model).__name__}; supported: {supported_blocks()}")
+    # Build (and validate) every replacement before the first one is installed.
+    new = [(path, _build_layer(fam, block, topology, kw)) for path, fam, block in found]
+    for path, layer in new:
+        if not path:
+            return layer
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
+    return model
+
+
+def _walk(module: nn.Module, path: str, found: list, unsupported: list) -> None:
+    """Collect (path, family, block) of supported blocks and names of unsupported MoE blocks."""
+    if isinstance(module, MoELayer):
+        return
+    cls = type(module)
+    fam = _BY_CLASS.get((cls.__module__, cls.__name__))
+    if fam is not None:
+        found.append((path, fam, module))
+        return
+    if "experts" in module._modules:
+        unsupported.append(f"{path or '<root>'} ({cls.__module__}.{cls.__name__})")
+        return
+    for name, child in module.named_children():
+        _walk(child, f"{path}.{name}" if path else name, found, unsupported)
+
+
+def _contains_moe_layer(model: nn.Module) -> bool:
+    return any(isinstance(m, MoELayer) for m in model.modules())
+
+
+def _is_silu(act) -> bool:
+    from transformers.activations import SiLUActivation
+    return isinstance(act, (SiLUActivation, nn.SiLU))
+
+
+def _config(fam: _Family, block: nn.Module) -> MoEConfig:
+    """MoEConfig of one HF block, read from its modules (not from the model config)."""
+    router, experts = block.gate, block.experts
+    where = f"{fam.name} block {type(block).__name__}"
+    if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        raise ValueError(f"{where}: experts have no fused gate_up_proj; transformers >= 5 is needed")
+    layout = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True}
+    odd = {k: getattr(experts, k) for k, v in layout.items() if getattr(experts, k, v) != v}
+    if odd or not _is_silu(experts.act_fn):
+        raise ValueError(f"{where}: experts must be SiLU-gated, fused [gate; up], untransposed and "
+                         f"bias-free; got act_fn {type(experts.act_fn).__name__}, {odd}")
+    E, H = router.weight.shape
+    shared_size = 0
+    if fam.shared is not None:
+        mlp = getattr(block, fam.shared)
+        if not _is_silu(mlp.act_fn) or any(getattr(mlp, n).bias is not None for n in _MLP_NAMES):
+            raise ValueError(f"{where}: the shared expert must be a bias-free SiLU MLP")
+        shared_size = mlp.gate_proj.out_features
+    sigmoid = fam.scoring == "sigmoid"
+    return MoEConfig(
+        hidden_size=H, num_experts=E, top_k=router.top_k,
+        moe_intermediate_size=experts.gate_up_proj.shape[1] // 2, scoring=fam.scoring,
+        norm_topk_prob=bool(router.norm_topk_prob if fam.norm_topk_prob is None else fam.norm_topk_prob),
+        n_group=router.num_group if sigmoid else 1, topk_group=router.topk_group if sigmoid else 1,
+        routed_scaling_factor=float(router.routed_scaling_factor) if sigmoid else 1.0,
+        use_correction_bias=getattr(router, "e_score_correction_bias", None) is not None,
+        shared_expert_intermediate_size=shared_size, shared_expert_gate=fam.shared_gate is not None,
+        router_logits_fp32=fam.router_logits_fp32, dtype=experts.gate_up_proj.dtype)
+
+
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer:
+    """A MoELayer whose parameters and buffers are the block's own tensors (no copies)."""
+    cfg = _config(fam, block)
+    layer = MoELayer(cfg, topology=topology, device="meta", **kw)
+    layer.router.weight = block.gate.weight
+    if cfg.use_correction_bias:
+        layer.router.e_score_correction_bias = block.gate.e_score_correction_bias
+    layer.load_expert_weights(block.experts.gate_up_proj, block.experts.down_proj)
+    if fam.shared is not None:
+        mlp = getattr(block, fam.shared)
+        for name in _MLP_NAMES:
+            getattr(layer.shared_expert, name).weight = getattr(mlp, name).weight
+        if fam.shared_gate is not None:
+            layer.shared_expert.gate.weight = getattr(block, fam.shared_gate).weight
+    left = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
+    if left:  # every tensor must come from the HF block
+        raise RuntimeError(f"{fam.name}: no HF tensor for {left}")
+    layer.train(block.training)
+    return layer
