@@ -1,0 +1,269 @@
+"""tp / dp_nvlink / dp_p2p (reference backend) in 1, 2 and 4 gloo processes vs the `local` topology.
+
+One spawned pool per world size serves every case (tests/_dist.py). Each case dispatches, runs
+identity experts and real per-expert functions on the segments given by expert_offsets, combines,
+and the parent checks: offsets, the rows each expert received, identity combine = x * sum(w),
+and equality with LocalTopology on the concatenated tokens (DP) or the shared batch (TP).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from _dist import DistPool
+from moe_runtime.comm import CollectiveError
+from moe_runtime.topologies import (BackendNotImplementedError, LocalTopology, make_topology)
+
+TOPOS = ("tp", "dp_nvlink", "dp_p2p")
+WORLDS = (1, 2, 4)
+E = 8  # divisible by every world size above
+
+
+# ---------------------------------------------------------------------------------------------
+# data and experts (deterministic, imported by the workers too)
+def make_batch(case: dict, world: int):
+    """Global batch: x [sum(T), H] (case dtype), ids int32 [sum(T), k], weights fp32, T list."""
+    g = torch.Generator().manual_seed(case["seed"])
+    Ts = [case["T"][r % len(case["T"])] for r in range(world)]
+    T, k, H = sum(Ts), case["k"], case["H"]
+    x = torch.randn(T, H, generator=g).to(case["dtype"])
+    mode = case.get("route", "random")
+    if mode == "random":
+        ids = torch.rand(T, E, generator=g).argsort(-1)[:, :k]
+    elif mode == "one":  # every token to the same k experts (the last ones: last rank)
+        ids = (E - 1 - torch.arange(k)).expand(T, k)
+    elif mode == "even":  # odd experts never chosen
+        ids = torch.rand(T, E // 2, generator=g).argsort(-1)[:, :k] * 2
+    else:
+        raise ValueError(mode)
+    w = torch.rand(T, k, generator=g) + 0.1
+    return x, ids.to(torch.int32).contiguous(), w.float(), Ts
+
+
+def expert_fn(kind: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Global expert e applied row-wise to x [n, H] (same weights on every rank)."""
+    if kind == "identity":
+        return x
+    if kind == "scale":
+        return (x.float() * (1.0 + 0.25 * e)).to(x.dtype)
+    if kind == "swiglu":
+        H, inter = x.shape[1], 8
+        g = torch.Generator().manual_seed(1000 + e)
+        w1, w3 = (torch.randn(H, inter, generator=g) / H ** 0.5 for _ in range(2))
+        w2 = torch.randn(inter, H, generator=g) / inter ** 0.5
+        xf = x.float()
+        return ((torch.nn.functional.silu(xf @ w1) * (xf @ w3)) @ w2).to(x.dtype)
+    raise ValueError(kind)
+
+
+def run_experts(kind: str, expert_x, offsets, expert_start: int) -> torch.Tensor:
+    """expert_y: each local expert's function on its segment (padding/tail rows: zeros)."""
+    y = torch.zeros_like(expert_x)
+    off = offsets.tolist()
+    for e in range(len(off) - 1):
+        y[off[e]:off[e + 1]] = expert_fn(kind, expert_start + e, expert_x[off[e]:off[e + 1]])
+    return y
+
+
+def my_inputs(case, rank, world, topo_name):
+    x, ids, w, Ts = make_batch(case, world)
+    if not topo_name.startswith("tp"):  # DP: this rank's slice of the batch
+        a = sum(Ts[:rank])
+        x, ids, w = x[a:a + Ts[rank]], ids[a:a + Ts[rank]], w[a:a + Ts[rank]]
+    if case.get("noncontig"):
+        x, ids, w = (t.t().contiguous().t() for t in (x, ids, w))
+    return x, ids, w
+
+
+# ---------------------------------------------------------------------------------------------
+# worker functions: fn(rank, world, *args)
+def w_case(rank, world, topo_name, case):
+    topo = make_topology(topo_name, E, align=case["align"], backend="reference")
+    x, ids, w = my_inputs(case, rank, world, topo_name)
+    res = topo.dispatch(x, ids, w)
+    y_id = topo.combine(res.expert_x, res)
+    y = topo.combine(run_experts(case["experts"], res.expert_x, res.expert_offsets,
+                                 topo.expert_start), res)
+    n = int(res.expert_offsets[-1])
+    return {"y_id": y_id, "y": y, "offsets": res.expert_offsets, "rows": res.expert_x[:n].clone(),
+            "expert_start": topo.expert_start, "x_contig": x.is_contiguous(), "T": x.shape[0]}
+
+
+def w_bad_inputs(rank, world, topo_name):
+    """Every bad call, caught here: [(label, exception class name, message)]."""
+    x = torch.randn(4, 16)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
+    w = torch.rand(4, 2)
+    calls = {
+        "id_high": lambda t: t.dispatch(x, torch.full_like(ids, E), w),
+        "id_negative": lambda t: t.dispatch(x, ids - 1, w),
+        "id_repeat": lambda t: t.dispatch(x, torch.zeros_like(ids), w),
+        "ids_int64": lambda t: t.dispatch(x, ids.long(), w),
+        "w_fp64": lambda t: t.dispatch(x, ids, w.double()),
+        "x_int": lambda t: t.dispatch(x.long(), ids, w),
+        "x_3d": lambda t: t.dispatch(x.view(4, 4, 4), ids, w),
+        "ids_rows": lambda t: t.dispatch(x, ids[:3], w[:3]),
+        "w_shape": lambda t: t.dispatch(x, ids, w[:, :1]),
+        "device": lambda t: t.dispatch(x, ids, w.to("meta")),
+        "k_gt_E": lambda t: t.dispatch(x, torch.zeros(4, E + 1, dtype=torch.int32),
+                                       torch.zeros(4, E + 1)),
+        "combine_shape": lambda t: t.combine(torch.zeros(1, 16), t.dispatch(x, ids, w)),
+        "E_indivisible": lambda t: make_topology(topo_name, 4 * world + 1, backend="reference"),
+        "backend_cute": lambda t: make_topology(topo_name, E, backend="cute"),
+        "backend_bogus": lambda t: make_topology(topo_name, E, backend="bogus"),
+        "align_0": lambda t: make_topology(topo_name, E, align=0),
+    }
+    topo = make_topology(topo_name, E, backend="reference")
+    out = []
+    for label, call in calls.items():
+        try:
+            call(topo)
+            out.append((label, None, ""))
+        except Exception as e:  # noqa: BLE001 - the parent checks the type
+            out.append((label, type(e).__name__, str(e), isinstance(e, ValueError)))
+    return out
+
+
+def w_stall(rank, world, topo_name, use_call_timeout):
+    """Rank 1 never joins; rank 0 must raise within the bound. Returns (error or None, secs)."""
+    from moe_runtime.comm import new_group
+    bound = 1.0
+    group = new_group(timeout_s=60.0 if use_call_timeout else bound)
+    topo = make_topology(topo_name, E, group=group, backend="reference",
+                         timeout_s=bound if use_call_timeout else None)
+    if rank == 1:
+        time.sleep(bound + 1.5)
+        return None, 0.0
+    x = torch.randn(3, 8)
+    ids = torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32)
+    t0 = time.monotonic()
+    try:
+        res = topo.dispatch(x, ids, torch.rand(3, 2))
+        topo.combine(res.expert_x, res)
+    except CollectiveError as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+_pools: dict[int, DistPool] = {}
+
+
+@pytest.fixture(scope="module")
+def pools():
+    def get(world: int) -> DistPool:
+        if world not in _pools:
+            _pools[world] = DistPool(world, group_timeout_s=30.0)
+        return _pools[world]
+    yield get
+    for p in _pools.values():
+        p.close()
+    _pools.clear()
+
+
+BASE = dict(seed=0, T=[5, 3, 7, 1], H=16, k=2, dtype=torch.float32, align=1, experts="swiglu")
+CASES = {
+    "base": {},
+    "bf16_align8_scale": dict(dtype=torch.bfloat16, align=8, experts="scale", seed=1),
+    "fp16_scale": dict(dtype=torch.float16, experts="scale", seed=11),
+    "T0_on_rank0": dict(T=[0, 4, 2, 6], seed=2),
+    "T1_k1": dict(T=[1], k=1, seed=3),
+    "all_to_one_expert_k1": dict(route="one", k=1, T=[6, 2, 5, 3], seed=4, experts="scale"),
+    "all_to_same_k_bf16": dict(route="one", k=3, dtype=torch.bfloat16, seed=5, experts="scale"),
+    "empty_experts_align8": dict(route="even", k=3, align=8, seed=6),
+    "k_eq_E": dict(k=E, T=[3, 2, 0, 4], seed=7),
+    "noncontig_bf16": dict(noncontig=True, dtype=torch.bfloat16, seed=8, experts="scale"),
+    "all_ranks_empty": dict(T=[0], seed=9),
+}
+
+
+def _expected_offsets(ids: torch.Tensor, expert_start: int, e_local: int, align: int):
+    counts = torch.bincount(ids.flatten().long(), minlength=E)[expert_start:expert_start + e_local]
+    padded = (counts + align - 1) // align * align
+    return torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)]).to(torch.int32), counts
+
+
+def _tol(dtype):
+    return {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+@pytest.mark.parametrize("topo_name", TOPOS)
+@pytest.mark.parametrize("world", WORLDS)
+def test_matches_local(pools, world, topo_name, case_name):
+    case = {**BASE, **CASES[case_name]}
+    out = pools(world).run(w_case, topo_name, case)
+    x, ids, w, Ts = make_batch(case, world)
+    local = LocalTopology(E, align=case["align"], backend="reference")
+    ref = local.dispatch(x, ids, w)
+    y_ref = local.combine(run_experts(case["experts"], ref.expert_x, ref.expert_offsets, 0), ref)
+    tol = _tol(case["dtype"])
+    e_local = E // world
+    for r, o in enumerate(out):
+        assert o["y"].dtype == case["dtype"] and o["offsets"].dtype == torch.int32
+        # offsets and the multiset of rows of every local expert
+        exp_off, counts = _expected_offsets(ids, o["expert_start"], e_local, case["align"])
+        assert torch.equal(o["offsets"], exp_off), (r, o["offsets"], exp_off)
+        for e in range(e_local):
+            seg = o["rows"][int(exp_off[e]):int(exp_off[e]) + int(counts[e])]
+            want = x[(ids == o["expert_start"] + e).any(1)]
+            assert sorted(map(tuple, seg.tolist())) == sorted(map(tuple, want.tolist())), (r, e)
+        if case.get("noncontig") and o["T"] > 1:  # a [1, H] view counts as contiguous
+            assert not o["x_contig"]
+    if topo_name == "tp":  # every rank returns the whole batch
+        ys, y_ids = [o["y"] for o in out], [o["y_id"] for o in out]
+        for y in ys[1:]:
+            assert torch.equal(y, ys[0])
+    else:  # each rank its own tokens, concatenated in rank order
+        ys, y_ids = [torch.cat([o["y"] for o in out])], [torch.cat([o["y_id"] for o in out])]
+    ident = (x.float() * w.sum(-1, keepdim=True)).to(case["dtype"])
+    for y, y_id in zip(ys, y_ids):
+        assert y.shape == (x.shape[0], case["H"])
+        torch.testing.assert_close(y_id.float(), ident.float(), atol=tol, rtol=tol)
+        if topo_name != "tp" and case["experts"] != "swiglu":
+            # row-wise experts, same fp32 accumulation order as local: bit-identical
+            assert torch.equal(y, y_ref)
+        else:
+            torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("topo_name", TOPOS)
+def test_bad_inputs_raise_expected_vs_got(pools, topo_name):
+    expect = {
+        "id_high": ("ValueError", "[0, 8)"), "id_negative": ("ValueError", "got values in [-1"),
+        "id_repeat": ("ValueError", "distinct"), "ids_int64": ("TypeError", "torch.int64"),
+        "w_fp64": ("TypeError", "torch.float64"), "x_int": ("TypeError", "torch.int64"),
+        "x_3d": ("ValueError", "(4, 4, 4)"), "ids_rows": ("ValueError", "(3, 2)"),
+        "w_shape": ("ValueError", "(4, 1)"), "device": ("ValueError", "meta"),
+        "k_gt_E": ("ValueError", "k=9"), "combine_shape": ("ValueError", "(1, 16)"),
+        "E_indivisible": ("ValueError", "divisible"),
+        "backend_cute": ("BackendNotImplementedError", "not implemented"),
+        "backend_bogus": ("ValueError", "'bogus'"), "align_0": ("ValueError", "align"),
+    }
+    for rank_out in pools(2).run(w_bad_inputs, topo_name):
+        assert [o[0] for o in rank_out] == list(expect)
+        for label, typ, msg, *is_value_error in rank_out:
+            assert typ == expect[label][0], (label, typ, msg)
+            assert expect[label][1] in msg, (label, msg)
+            if label == "backend_cute":
+                assert is_value_error == [True]
+                assert issubclass(BackendNotImplementedError, NotImplementedError)
+
+
+@pytest.mark.parametrize("use_call_timeout", [False, True], ids=["group_timeout", "call_timeout"])
+@pytest.mark.parametrize("topo_name", TOPOS)
+def test_stalled_peer_raises_within_timeout(pools, topo_name, use_call_timeout):
+    (err, secs), (none, _) = pools(2).run(w_stall, topo_name, use_call_timeout, timeout_s=30)
+    assert err is not None and none is None
+    assert "rank 0/2" in err and f"{topo_name}." in err, err
+    assert secs < 1.0 + 1.0, secs  # the bound is 1 s
+
+
+def test_needs_initialized_group_or_local():
+    with pytest.raises(RuntimeError, match="not initialized"):
+        make_topology("dp_p2p", E)
+    with pytest.raises(ValueError, match=r"\['dp_nvlink', 'dp_p2p', 'local', 'tp'\]"):
+        make_topology("ep", E)
+    assert make_topology("local", E).world_size == 1
