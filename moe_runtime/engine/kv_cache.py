@@ -1,0 +1,49 @@
+"""KV cache of one rank: preallocated keys and values per layer for a fixed batch."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of this rank's kv heads for B sequences of up to `max_len` positions.
+
+    Storage per layer: k, v [B, kv_heads, max_len, head_dim] in `dtype` on `device`. Sequence b
+    keeps position p in slot p (no paging); padding slots hold stale values that the causal
+    mask never reads.
+
+    Raises:
+        ValueError: non-positive sizes (B may be 0).
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 *, dtype: torch.dtype, device=None):
+        if num_layers < 1 or kv_heads < 1 or max_len < 1 or head_dim < 1 or batch < 0:
+            raise ValueError(f"bad KV cache sizes: layers={num_layers} batch={batch} "
+                             f"kv_heads={kv_heads} max_len={max_len} head_dim={head_dim}")
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store this step's keys/values and return the cached prefix that attention reads.
+
+        Args:
+            layer: layer index.
+            positions: int64 [B, L], the slot of each new token.
+            k, v: [B, kv_heads, L, head_dim].
+
+        Returns:
+            (keys, values) [B, kv_heads, S, head_dim] with S = positions.max() + 1.
+
+        Raises:
+            ValueError: a position at or past max_len.
+        """
+        S = int(positions.max()) + 1
+        if S > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked to write position {S - 1}")
+        b = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+        kc, vc = self.k[layer], self.v[layer]
+        kc[b, :, positions] = k.transpose(1, 2).to(kc.dtype)
+        vc[b, :, positions] = v.transpose(1, 2).to(vc.dtype)
+        return kc[:, :, :S], vc[:, :, :S]

@@ -1,0 +1,31 @@
+"""Model families and the HF checkpoint loader.
+
+    spec, arch = read_spec(model_dir, dtype)          # config.json via transformers AutoConfig
+    model = load_model(model_dir, parallel, ...)      # this rank's share of the safetensors
+
+Registered families: Qwen3-MoE (`qwen3_moe`) and Mixtral (`mixtral`).
+"""
+from __future__ import annotations
+
+from . import mixtral, qwen3_moe
+from .spec import Architecture, ModelSpec
+from .transformer import MoECausalLM, Parallel, head_shard
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (qwen3_moe.ARCH, mixtral.ARCH)}
+
+
+def get_architecture(model_type: str) -> Architecture:
+    """The registered family for an HF model_type.
+
+    Raises:
+        ValueError: unknown model_type (the message lists the known ones).
+    """
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[model_type]
+
+
+from .loader import CheckpointError, load_model, read_spec  # noqa: E402
+
+__all__ = ["ARCHITECTURES", "Architecture", "CheckpointError", "ModelSpec", "MoECausalLM",
+           "Parallel", "get_architecture", "head_shard", "load_model", "read_spec"]

@@ -1,0 +1,245 @@
+"""HF-format checkpoint loading: config.json via transformers, tensors via safetensors' safe_open.
+
+Each rank reads only what it owns: its experts (E / W of them under tp and dp_*), and under tp
+only the rows of q/k/v and the columns of o_proj of its attention heads (safetensors slices
+read just those bytes). Both expert layouts are accepted:
+    per-expert  `model.layers.{i}.{block}.experts.{e}.{gate,up,down}.weight` (what
+                transformers 5 save_pretrained writes, and the published Qwen3 / Mixtral
+                checkpoints; Mixtral names them w1 / w3 / w2 under `block_sparse_moe`)
+    fused       `model.layers.{i}.{block}.experts.gate_up_proj` [E, 2I, H] and
+                `...experts.down_proj` [E, H, I] (transformers' in-memory layout)
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from typing import Callable, Optional, Union
+
+import torch
+
+from .spec import Architecture, ModelSpec
+from .transformer import MoECausalLM, Parallel
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is unusable: no safetensors, a tensor missing, or a tensor of the wrong shape.
+    The message names the tensor and the file (or the files searched)."""
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config) -> torch.dtype:
+    """"auto"/None -> the config's dtype (float32 when absent or unsupported); a name or a
+    torch.dtype -> itself.
+
+    Raises:
+        ValueError: a dtype other than float32, bfloat16, float16.
+    """
+    if dtype in (None, "auto"):
+        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        d = str(d).replace("torch.", "") if d is not None else "float32"
+        return _DTYPES.get(d, torch.float32)
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
+              ) -> tuple[ModelSpec, Architecture]:
+    """Read config.json with transformers' AutoConfig and build the ModelSpec.
+
+    Raises:
+        FileNotFoundError: no config.json in model_dir.
+        ValueError: unsupported model_type or dtype.
+    """
+    from transformers import AutoConfig
+
+    from . import get_architecture
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF-format checkpoint)")
+    cfg = AutoConfig.from_pretrained(model_dir)
+    arch = get_architecture(cfg.model_type)
+    return arch.spec_from_config(cfg, resolve_dtype(dtype, cfg)), arch
+
+
+class CheckpointReader:
+    """Reads (slices of) tensors from a single-file or sharded safetensors checkpoint.
+
+    Args:
+        model_dir: holds model.safetensors, or model.safetensors.index.json and its shards.
+
+    Raises:
+        CheckpointError: neither file exists, or the index names a shard that is missing.
+    """
+
+    def __init__(self, model_dir: str):
+        from safetensors import safe_open
+        self._safe_open = safe_open
+        self.model_dir = model_dir
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+        index = os.path.join(model_dir, INDEX_FILE)
+        single = os.path.join(model_dir, SINGLE_FILE)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            for fname in sorted(set(self.weight_map.values())):
+                if not os.path.isfile(os.path.join(model_dir, fname)):
+                    raise CheckpointError(f"{index} names shard {fname!r}, which is missing")
+        elif os.path.isfile(single):
+            self.weight_map = {k: SINGLE_FILE for k in self._open(SINGLE_FILE).keys()}
+        else:
+            raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            path = os.path.join(self.model_dir, fname)
+            self._handles[fname] = self._stack.enter_context(self._safe_open(path, framework="pt"))
+        return self._handles[fname]
+
+    def has(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def read(self, key: str, shape: tuple[int, ...], *, dim: int = 0,
+             start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        """Tensor `key`, checked to have the full `shape`, sliced to [start, stop) along `dim`.
+
+        Returns:
+            a CPU tensor in the checkpoint's dtype (only the slice is read from disk).
+
+        Raises:
+            CheckpointError: the tensor is missing (names the files searched) or its shape in
+                the file differs from `shape` (names the tensor and the file).
+        """
+        if key not in self.weight_map:
+            files = sorted(set(self.weight_map.values()))
+            raise CheckpointError(f"tensor {key!r} is missing from the checkpoint in "
+                                  f"{self.model_dir} (searched {', '.join(files)})")
+        fname = self.weight_map[key]
+        sl = self._open(fname).get_slice(key)
+        got = tuple(sl.get_shape())
+        if got != tuple(shape):
+            raise CheckpointError(f"tensor {key!r} in {os.path.join(self.model_dir, fname)} has "
+                                  f"shape {list(got)}, expected {list(shape)}")
+        if start is None:
+            return sl[:]
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return sl[index]
+
+
+def _tensor_loaders(model: MoECausalLM, arch: Architecture, reader: CheckpointReader
+                    ) -> dict[str, Callable[[], torch.Tensor]]:
+    """For every parameter of `model` (this rank's shapes), a function reading it."""
+    spec, sh = model.spec, model.shard
+    H, D, V = spec.hidden_size, spec.head_dim, spec.vocab_size
+    Hq, Hkv, E, I = spec.num_heads, spec.num_kv_heads, spec.moe.num_experts, spec.moe.moe_intermediate_size
+    q_rows = (sh.q_start * D, (sh.q_start + sh.q_heads) * D)
+    kv_rows = (sh.kv_start * D, (sh.kv_start + sh.kv_heads) * D)
+    full = {  # suffix -> (full shape, dim, (start, stop) or None)
+        "self_attn.q_proj.weight": ((Hq * D, H), 0, q_rows),
+        "self_attn.q_proj.bias": ((Hq * D,), 0, q_rows),
+        "self_attn.k_proj.weight": ((Hkv * D, H), 0, kv_rows),
+        "self_attn.k_proj.bias": ((Hkv * D,), 0, kv_rows),
+        "self_attn.v_proj.weight": ((Hkv * D, H), 0, kv_rows),
+        "self_attn.v_proj.bias": ((Hkv * D,), 0, kv_rows),
+        "self_attn.o_proj.weight": ((H, Hq * D), 1, q_rows),
+        "self_attn.o_proj.bias": ((H,), 0, None),
+        "self_attn.q_norm.weight": ((D,), 0, None),
+        "self_attn.k_norm.weight": ((D,), 0, None),
+        "input_layernorm.weight": ((H,), 0, None),
+        "post_attention_layernorm.weight": ((H,), 0, None),
+        "mlp.gate_proj.weight": ((spec.dense_intermediate_size, H), 0, None),
+        "mlp.up_proj.weight": ((spec.dense_intermediate_size, H), 0, None),
+        "mlp.down_proj.weight": ((H, spec.dense_intermediate_size), 0, None),
+    }
+    top = {"embed_tokens.weight": ("model.embed_tokens.weight", (V, H)),
+           "norm.weight": ("model.norm.weight", (H,)), "lm_head.weight": ("lm_head.weight", (V, H))}
+
+    def plain(key, shape, dim=0, rng=None):
+        return lambda: reader.read(key, shape, dim=dim, start=rng and rng[0], stop=rng and rng[1])
+
+    loaders: dict[str, Callable[[], torch.Tensor]] = {}
+    for name in model.state_dict():
+        if name in top:
+            loaders[name] = plain(*top[name])
+            continue
+        _, idx, suffix = name.split(".", 2)
+        if suffix in full:
+            shape, dim, rng = full[suffix]
+            loaders[name] = plain(f"model.layers.{idx}.{suffix}", shape, dim, rng)
+            continue
+        layer = model.layers[int(idx)].mlp
+        block = next((b for b in arch.moe_block_names
+                      if reader.has(f"model.layers.{idx}.{b}.gate.weight")), arch.moe_block_names[0])
+        prefix = f"model.layers.{idx}.{block}"
+        experts = layer.local_expert_range
+        fused = reader.has(f"{prefix}.experts.gate_up_proj")
+        gate, up, down = arch.expert_proj_names
+        if suffix == "mlp.router.weight":
+            loaders[name] = plain(f"{prefix}.gate.weight", (E, H))
+        elif fused:
+            shape = {"mlp.experts.gate_up_proj": (E, 2 * I, H), "mlp.experts.down_proj": (E, H, I)}[suffix]
+            key = f"{prefix}.experts.{suffix.rsplit('.', 1)[1]}"
+            loaders[name] = plain(key, shape, 0, (experts.start, experts.stop))
+        elif suffix == "mlp.experts.gate_up_proj":
+            loaders[name] = lambda p=prefix, r=experts: torch.stack([torch.cat([
+                reader.read(f"{p}.experts.{e}.{gate}.weight", (I, H)),
+                reader.read(f"{p}.experts.{e}.{up}.weight", (I, H))]) for e in r])
+        elif suffix == "mlp.experts.down_proj":
+            loaders[name] = lambda p=prefix, r=experts: torch.stack(
+                [reader.read(f"{p}.experts.{e}.{down}.weight", (H, I)) for e in r])
+        else:
+            raise CheckpointError(f"no checkpoint mapping for parameter {name!r}")
+    return loaders
+
+
+def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, device="cpu",
+               progress: bool = True) -> MoECausalLM:
+    """Build this rank's model and fill it with its share of the checkpoint.
+
+    Args:
+        model_dir: an HF-format checkpoint (config.json + safetensors).
+        parallel: this rank's topology, rank, world size and process group (torch.distributed
+            must be initialized for world size > 1: MoE layers build their topology here).
+        dtype: "auto"/None (config dtype), or float32 / bfloat16 / float16.
+        device: where the parameters go.
+        progress: show a tqdm bar (one step per tensor).
+
+    Returns:
+        MoECausalLM in inference mode (no grads), RoPE buffers initialized.
+
+    Raises:
+        CheckpointError: missing tensor or shape mismatch (names the tensor and the file).
+        ValueError: unsupported model_type / dtype, or heads/experts not divisible for the world.
+    """
+    from tqdm.auto import tqdm
+
+    spec, arch = read_spec(model_dir, dtype)
+    with torch.device("meta"):
+        model = MoECausalLM(spec, parallel)
+    state = {}
+    with CheckpointReader(model_dir) as reader:
+        loaders = _tensor_loaders(model, arch, reader)
+        desc = f"rank {parallel.rank}: loading {os.path.basename(os.path.normpath(model_dir))}"
+        for name, load in tqdm(loaders.items(), desc=desc, unit="tensor", disable=not progress):
+            state[name] = load().to(device=device, dtype=spec.dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_buffers()
+    return model.eval()

@@ -1,0 +1,170 @@
+"""Random-weight HF checkpoints for tests and demos, written by transformers' own model classes.
+
+`make_checkpoint(out_dir, arch="qwen3-moe", preset="tiny")` writes config.json,
+generation_config.json, safetensors weights (single file, or sharded with
+model.safetensors.index.json when `max_shard_size` is given) and a byte-level BPE tokenizer
+trained offline with the `tokenizers` library on the built-in text below, saved through
+transformers' PreTrainedTokenizerFast so `AutoTokenizer.from_pretrained(out_dir)` loads it.
+
+Presets:
+    tiny            a few hundred KB; the CI numerics tests and `moe-runtime demo` use it.
+    small           a few MB; more heads and experts (32 experts, top-4).
+    qwen3-30b-a3b   Qwen3-30B-A3B's real shapes (48 layers, 128 experts, top-8). Without
+                    `force` only config.json, generation_config.json and the tokenizer are
+                    written (enough to read the spec and plan a deployment); with `force`,
+                    random bfloat16 weights too: about 61 GB on disk and more than that in RAM.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "mixtral": "mixtral"}
+PRESETS = ("tiny", "small", "qwen3-30b-a3b")
+EOS_TOKEN = "<|endoftext|>"
+
+TRAINING_TEXT = """\
+A mixture of experts model sends every token to a few experts chosen by a router.
+Each expert is a small feed forward network, and only the chosen experts run for a token.
+The router scores all experts, keeps the top k, and weights their outputs by the scores.
+Expert parallelism places different experts on different ranks, so tokens travel between ranks.
+Dispatch moves token rows to the ranks that hold their experts; combine brings the results back.
+On one node the ranks share NVLink; across nodes they talk over InfiniBand.
+Attention mixes information across the positions of a sequence with queries, keys and values.
+Grouped query attention lets several query heads share one key and value head.
+Rotary position embeddings rotate queries and keys by an angle that grows with the position.
+The key value cache keeps past keys and values so that decoding reads them instead of recomputing.
+Prefill processes the whole prompt at once; decode produces one new token per step.
+Greedy decoding takes the most likely token; sampling draws from the distribution,
+often after a temperature and a nucleus of top p probability mass.
+The quick brown fox jumps over the lazy dog. Once upon a time there was a small model
+that wanted to tell a story about the sea, the mountains, the city and the stars.
+Numbers like 1 2 3 4 5 6 7 8 9 10 and words like hello, world, token, expert, rank appear here.
+"""
+
+
+def _qwen3_kwargs(preset: str) -> dict:
+    if preset == "tiny":
+        return dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                    max_position_embeddings=512)
+    if preset == "small":
+        return dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                    num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=32,
+                    num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
+                    max_position_embeddings=2048)
+    return dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                max_position_embeddings=40960, rope_parameters={"rope_type": "default",
+                                                                "rope_theta": 1000000.0},
+                rms_norm_eps=1e-6, vocab_size=151936)
+
+
+def _mixtral_kwargs(preset: str) -> dict:
+    if preset == "tiny":
+        return dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                    num_experts_per_tok=2, max_position_embeddings=512)
+    return dict(hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=16, num_key_value_heads=4, num_local_experts=32,
+                num_experts_per_tok=4, max_position_embeddings=2048)
+
+
+def train_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on TRAINING_TEXT, as a transformers
+    PreTrainedTokenizerFast with EOS (= pad) `<|endoftext|>` and no BOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TRAINING_TEXT.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
+def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny", *,
+                    seed: int = 0, dtype: Optional[str] = None, max_shard_size: Optional[str] = None,
+                    force: bool = False) -> str:
+    """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
+
+    Args:
+        arch: "qwen3-moe" or "mixtral".
+        preset: "tiny", "small" or "qwen3-30b-a3b" (Qwen3-MoE only).
+        seed: torch seed of the random weights.
+        dtype: "float32" (default for tiny/small) or "bfloat16" (default for qwen3-30b-a3b).
+        max_shard_size: e.g. "200KB" to write sharded safetensors with an index.
+        force: for qwen3-30b-a3b, write the (huge) weights too.
+
+    Returns:
+        out_dir.
+
+    Raises:
+        ValueError: unknown arch/preset, a preset the arch lacks, or a non-empty out_dir.
+    """
+    import torch
+    import transformers
+
+    if arch not in ARCH_NAMES:
+        raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}, got {arch!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
+    if preset == "qwen3-30b-a3b" and arch != "qwen3-moe":
+        raise ValueError("preset 'qwen3-30b-a3b' is a Qwen3-MoE model: use --arch qwen3-moe")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"{out_dir} exists and is not empty")
+    from . import get_architecture
+    a = get_architecture(ARCH_NAMES[arch])
+    big = preset == "qwen3-30b-a3b"
+    tokenizer = train_tokenizer()
+    kwargs = _qwen3_kwargs(preset) if arch == "qwen3-moe" else _mixtral_kwargs(preset)
+    kwargs.setdefault("vocab_size", len(tokenizer))
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config_cls = getattr(transformers, a.hf_class_name.replace("ForCausalLM", "Config"))
+    config = config_cls(eos_token_id=eos, pad_token_id=eos, bos_token_id=None,
+                        tie_word_embeddings=False, **kwargs)
+    dtype = dtype or ("bfloat16" if big else "float32")
+    config.dtype = dtype
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".make_checkpoint-", dir=parent)
+    try:
+        if big and not force:
+            config.save_pretrained(tmp)
+            transformers.GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        else:
+            torch.manual_seed(seed)
+            model = getattr(transformers, a.hf_class_name)(config).to(getattr(torch, dtype))
+            save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+            model.save_pretrained(tmp, **save_kw)
+        tokenizer.save_pretrained(tmp)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: Optional[str] = None) -> str:
+    """The checkpoint made once under cache_dir (default $MOE_RUNTIME_CACHE or
+    ~/.cache/moe_runtime), as `<arch>-<preset>`; made on first use (atomically, so concurrent
+    callers are safe: the loser of the race keeps the winner's copy)."""
+    root = cache_dir or os.environ.get("MOE_RUNTIME_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "moe_runtime")
+    path = os.path.join(root, f"{arch}-{preset}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            make_checkpoint(path, arch, preset)
+        except (ValueError, OSError):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise
+    return path

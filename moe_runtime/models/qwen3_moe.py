@@ -1,0 +1,27 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): per-head QK RMSNorm, GQA, RoPE, softmax top-k
+routing with optional renormalization, optional dense layers (`mlp_only_layers`)."""
+from __future__ import annotations
+
+import torch
+
+from ..config import MoEConfig
+from .spec import Architecture, ModelSpec, common_spec_fields
+
+
+def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
+    """ModelSpec of a transformers Qwen3MoeConfig (experts: `num_experts`, k:
+    `num_experts_per_tok`, I: `moe_intermediate_size`)."""
+    E, L = cfg.num_experts, cfg.num_hidden_layers
+    only = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    dense = tuple(i for i in range(L) if i in only or not (E > 0 and (i + 1) % step == 0))
+    moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
+                    top_k=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+                    scoring="softmax", norm_topk_prob=bool(cfg.norm_topk_prob), dtype=dtype)
+    return ModelSpec(qk_norm=True, moe=moe, dense_layers=dense,
+                     dense_intermediate_size=cfg.intermediate_size, **common_spec_fields(cfg, dtype))
+
+
+ARCH = Architecture(model_type="qwen3_moe", hf_class_name="Qwen3MoeForCausalLM",
+                    moe_block_names=("mlp",), expert_proj_names=("gate_proj", "up_proj", "down_proj"),
+                    spec_from_config=spec_from_config)

@@ -1,0 +1,126 @@
+"""ModelSpec: the architecture-independent description of a MoE decoder, read from config.json.
+
+An architecture module (`qwen3_moe.py`, `mixtral.py`) turns an HF transformers config into a
+ModelSpec and names the checkpoint tensors; `transformer.py` builds the network from the spec and
+`loader.py` fills it from safetensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..config import MoEConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and rules of one MoE decoder-only model.
+
+    Attributes:
+        model_type: HF `model_type` ("qwen3_moe", "mixtral").
+        vocab_size, hidden_size (H), num_layers: as in config.json.
+        num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        attention_bias: q/k/v/o projections carry a bias.
+        rms_norm_eps: epsilon of every RMSNorm.
+        sliding_window: attend to at most this many previous positions (None = full causal).
+        max_position_embeddings: the longest prompt + generation the engine accepts.
+        moe: MoEConfig of every MoE layer (dtype = the model's dtype).
+        dense_layers: indices of layers with a dense SwiGLU MLP instead of MoE (Qwen3
+            `mlp_only_layers` / `decoder_sparse_step`), width `dense_intermediate_size`.
+        tie_word_embeddings: lm_head shares embed_tokens' weight.
+        eos_token_ids: generation stops when one of these is sampled.
+        hf_config: the transformers config object (RoPE parameters come from it).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    attention_bias: bool
+    rms_norm_eps: float
+    sliding_window: Optional[int]
+    max_position_embeddings: int
+    moe: MoEConfig
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.moe.dtype
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    """config.eos_token_id (None, int or list) -> a tuple of ids."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq fp32 [head_dim // 2], attention scaling) for the config's RoPE type.
+
+    "default" RoPE is computed here (theta from `rope_parameters["rope_theta"]`, or the older
+    `rope_theta` attribute); other types (yarn, linear, dynamic, ...) use transformers'
+    ROPE_INIT_FUNCTIONS so scaled checkpoints keep their numerics.
+
+    Raises:
+        ValueError: a rope_type transformers does not know.
+    """
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model family: how to read its config and how its checkpoint names MoE tensors.
+
+    Attributes:
+        model_type: HF `model_type` in config.json.
+        hf_class_name: the transformers CausalLM class (make-checkpoint and numerics tests).
+        moe_block_names: submodule names that hold the router (`gate`) and the experts in
+            checkpoints, first = the one transformers' save_pretrained writes.
+        expert_proj_names: per-expert (gate, up, down) projection names in checkpoints.
+        spec_from_config: (HF config, dtype) -> ModelSpec.
+    """
+
+    model_type: str
+    hf_class_name: str
+    moe_block_names: tuple[str, ...]
+    expert_proj_names: tuple[str, str, str]
+    spec_from_config: Any = field(compare=False, repr=False)
+
+
+def common_spec_fields(cfg, dtype: torch.dtype) -> dict:
+    """The ModelSpec fields every Llama-style HF config spells the same way."""
+    heads = cfg.num_attention_heads
+    return dict(
+        model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        rms_norm_eps=float(cfg.rms_norm_eps), sliding_window=getattr(cfg, "sliding_window", None),
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        eos_token_ids=eos_ids(getattr(cfg, "eos_token_id", None)), hf_config=cfg)

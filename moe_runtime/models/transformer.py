@@ -1,0 +1,304 @@
+"""The decoder network shared by every MoE family: RMSNorm, RoPE, GQA attention with a KV cache
+(optionally tensor-parallel, Megatron style), and MoE blocks through `moe_runtime.MoELayer`.
+
+Parallel modes (one process per rank, see `Parallel`):
+    local      world size 1; everything on the one rank.
+    tp         every rank holds the same tokens; attention heads are split (column-parallel
+               q/k/v, row-parallel o followed by an all-reduce); MoE tokens are replicated and
+               the `tp` topology sums the experts' outputs across ranks; embeddings, norms,
+               router and dense MLPs are replicated.
+    dp_nvlink / dp_p2p
+               each rank runs its own requests (data-parallel attention, full replicated
+               attention weights); experts are partitioned (EP) and the topology moves token
+               rows between ranks. Every rank must call forward the same number of times (a rank
+               without requests passes a batch of 0 rows) because MoE layers are collectives.
+
+Parameter names mirror HF transformers (`model.` prefix dropped) except inside MoE layers,
+which use MoELayer's own names (`mlp.router.weight`, `mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`); `loader.py` maps them to checkpoint tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layer import MoELayer
+from .spec import ModelSpec, rope_parameters
+
+TOPOLOGY_NAMES = ("local", "tp", "dp_nvlink", "dp_p2p")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one rank takes part in the model.
+
+    Attributes:
+        topology: "local", "tp", "dp_nvlink" or "dp_p2p".
+        rank, world_size: this rank in the process group.
+        group: the torch.distributed ProcessGroup (None = default group; unused for local).
+        backend: kernel/topology backend ("auto", "reference", "cute").
+        timeout_s: bound on each collective (None = the group's timeout).
+    """
+
+    topology: str = "local"
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    backend: str = "auto"
+    timeout_s: Optional[float] = None
+
+    def __post_init__(self):
+        if self.topology not in TOPOLOGY_NAMES:
+            raise ValueError(f"topology must be one of {TOPOLOGY_NAMES}, got {self.topology!r}")
+        if self.topology == "local" and self.world_size != 1:
+            raise ValueError(f"topology 'local' runs on 1 rank, got world size {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+    @property
+    def data_parallel(self) -> bool:
+        """Each rank owns its own requests (dp_* topologies)."""
+        return self.topology.startswith("dp_")
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Attention heads are split across ranks (tp with more than one rank)."""
+        return self.topology == "tp" and self.world_size > 1
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds: q heads [q_start, q_start + q_heads), kv heads
+    [kv_start, kv_start + kv_heads)."""
+
+    q_start: int
+    q_heads: int
+    kv_start: int
+    kv_heads: int
+
+
+def head_shard(spec: ModelSpec, parallel: Parallel) -> HeadShard:
+    """Split attention heads for tensor parallelism (all heads when not tp).
+
+    q heads are split evenly. kv heads are split evenly when num_kv_heads % W == 0; when
+    W % num_kv_heads == 0 each rank holds the one kv head its q heads use (kv heads replicated
+    across W / num_kv_heads ranks, as vLLM does).
+
+    Raises:
+        ValueError: num_heads % W != 0, or neither kv rule applies.
+    """
+    Hq, Hkv = spec.num_heads, spec.num_kv_heads
+    if not parallel.tensor_parallel:
+        return HeadShard(0, Hq, 0, Hkv)
+    W, r = parallel.world_size, parallel.rank
+    if Hq % W:
+        raise ValueError(f"tp: num_attention_heads ({Hq}) must be divisible by the world size ({W})")
+    q_heads = Hq // W
+    if Hkv % W == 0:
+        return HeadShard(r * q_heads, q_heads, r * (Hkv // W), Hkv // W)
+    if W % Hkv == 0:
+        return HeadShard(r * q_heads, q_heads, r // (W // Hkv), 1)
+    raise ValueError(f"tp: num_key_value_heads ({Hkv}) and the world size ({W}) must divide one another")
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in fp32, as HF's RMSNorm.
+
+    weight: [n]; forward(x [..., n]) -> [..., n] in x.dtype (times weight's dtype)."""
+
+    def __init__(self, n: int, eps: float, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP of the dense (non-MoE) layers: down(silu(gate(x)) * up(x)), replicated."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
+        self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA self-attention over this rank's head shard, with optional per-head QK RMSNorm.
+
+    Parameters (HF names and layouts, rows/cols of this rank's heads only):
+        q_proj.weight [q_heads*D, H], k_proj/v_proj.weight [kv_heads*D, H],
+        o_proj.weight [H, q_heads*D] (row-parallel; its bias is added once, after the
+        all-reduce), q_norm/k_norm.weight [D] when spec.qk_norm.
+    """
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, shard: HeadShard, parallel: Parallel):
+        super().__init__()
+        D, H, b, dt = spec.head_dim, spec.hidden_size, spec.attention_bias, spec.dtype
+        self.layer_idx, self.shard, self.parallel, self.head_dim = layer_idx, shard, parallel, D
+        self.q_proj = nn.Linear(H, shard.q_heads * D, bias=b, dtype=dt)
+        self.k_proj = nn.Linear(H, shard.kv_heads * D, bias=b, dtype=dt)
+        self.v_proj = nn.Linear(H, shard.kv_heads * D, bias=b, dtype=dt)
+        self.o_proj = nn.Linear(shard.q_heads * D, H, bias=b, dtype=dt)
+        self.q_norm = RMSNorm(D, spec.rms_norm_eps, dt) if spec.qk_norm else None
+        self.k_norm = RMSNorm(D, spec.rms_norm_eps, dt) if spec.qk_norm else None
+        self.scaling = D ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """x [B, L, H] -> [B, L, H]; cos/sin [B, 1, L, D]; mask bool [B, 1, L, S] (True =
+        attend) over the S cached positions after this step's keys are written."""
+        B, L, _ = x.shape
+        D = self.head_dim
+        q = self.q_proj(x).view(B, L, -1, D)
+        k = self.k_proj(x).view(B, L, -1, D)
+        v = self.v_proj(x).view(B, L, -1, D).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.write(self.layer_idx, positions, k, v)
+        rep = q.shape[1] // keys.shape[1]
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+        out = F.linear(out.transpose(1, 2).reshape(B, L, -1), self.o_proj.weight)
+        if self.parallel.tensor_parallel:
+            from ..comm import all_reduce_sum
+            all_reduce_sum(out, group=self.parallel.group, timeout_s=self.parallel.timeout_s,
+                           step=f"layer {self.layer_idx} attention o_proj all_reduce")
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); the MoE block sees only the
+    valid tokens (prompt padding and finished sequences are left out)."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, shard: HeadShard, parallel: Parallel):
+        super().__init__()
+        eps, dt = spec.rms_norm_eps, spec.dtype
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, dt)
+        self.self_attn = Attention(spec, layer_idx, shard, parallel)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, dt)
+        if layer_idx in spec.dense_layers:
+            self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, dt)
+        else:
+            from ..topologies import make_topology
+            topo = make_topology(parallel.topology, spec.moe.num_experts,
+                                 group=parallel.group if parallel.world_size > 1 else None,
+                                 backend=parallel.backend,
+                                 **({"timeout_s": parallel.timeout_s} if parallel.world_size > 1 else {}))
+            self.mlp = MoELayer(spec.moe, topology=topo, backend=parallel.backend)
+
+    def forward(self, x, cos, sin, positions, mask, valid, cache):
+        B = x.shape[0]
+        if B:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoELayer):
+            y = torch.zeros_like(h)
+            y[valid] = self.mlp(h[valid])
+        else:
+            y = self.mlp(h)
+        return x + y
+
+
+class MoECausalLM(nn.Module):
+    """A MoE decoder-only LM on one rank.
+
+    Args:
+        spec: the ModelSpec.
+        parallel: this rank's Parallel.
+
+    Build it under `torch.device("meta")` and fill it with `loader.load_weights` (which calls
+    `load_state_dict(..., assign=True)`), then `.to(device)` if needed and `init_buffers()`.
+    """
+
+    def __init__(self, spec: ModelSpec, parallel: Parallel):
+        super().__init__()
+        self.spec, self.parallel = spec, parallel
+        self.shard = head_shard(spec, parallel)
+        dt = spec.dtype
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dt)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.shard, parallel)
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dt)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
+            spec.hidden_size, spec.vocab_size, bias=False, dtype=dt)
+        self.inv_freq: Optional[torch.Tensor] = None
+        self.rope_scaling = 1.0
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def init_buffers(self) -> None:
+        """Compute the RoPE frequencies on the parameters' device (after loading)."""
+        inv, self.rope_scaling = rope_parameters(self.spec.hf_config, self.spec.head_dim)
+        self.inv_freq = inv.to(self.embed_tokens.weight.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    def _mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
+        keys = torch.arange(S, device=positions.device)
+        p = positions[:, None, :, None]
+        mask = keys <= p
+        if self.spec.sliding_window:
+            mask &= keys > p - self.spec.sliding_window
+        return mask
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                last_index: torch.Tensor, cache) -> torch.Tensor:
+        """One prefill or decode step for a batch of sequences.
+
+        Args:
+            input_ids: int64 [B, L] (right-padded prompts in prefill; L = 1 in decode).
+            positions: int64 [B, L], position of each token in its sequence (its KV slot).
+            valid: bool [B, L], tokens that count (not padding, not a finished sequence); only
+                these go through the MoE blocks.
+            last_index: int64 [B], which of the L positions gives each sequence's logits.
+            cache: an `engine.kv_cache.KVCache` with this rank's kv heads and room for
+                positions.max() + 1 positions.
+
+        Returns:
+            fp32 logits [B, vocab_size]. B may be 0 (a dp rank without requests still runs
+            the MoE collectives).
+        """
+        B = input_ids.shape[0]
+        x = self.embed_tokens(input_ids)
+        cos = sin = mask = None
+        if B:
+            cos, sin = self._rope(positions, x.dtype)
+            mask = self._mask(positions, int(positions.max()) + 1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, mask, valid, cache)
+        h = self.norm(x[torch.arange(B, device=x.device), last_index])
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()
