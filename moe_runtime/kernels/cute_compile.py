@@ -1,0 +1,137 @@
+"""Compile cache of the CuTeDSL kernels: one compiled TVM-FFI function per constexpr tuple.
+
+Every getter compiles from fake tensors (no GPU, no torch needed), with the token count a
+`cute.sym_int()` so one binary serves every T, and caches the result in memory keyed by
+(constexpr tuple, arch). `arch=None` targets the GPU the DSL detects (the runtime case);
+CPU CI passes "sm_90a" / "sm_100a". The compiled functions take torch tensors directly
+(`--enable-tvm-ffi`), run on the tensors' current torch stream, and check dtypes, static
+extents, 16-byte alignment and the shared token dimension at call time.
+
+Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row segment):
+    dispatch decode   one cooperative launch, DISPATCH_DECODE_WARPS, V = DISPATCH_DECODE_V
+    dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
+                      V = DISPATCH_COPY_V)
+    combine           COMBINE_WARPS[mode], V = combine_v(mode, K)
+"""
+from __future__ import annotations
+
+import functools
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from ..sync import grid_barrier as _gb
+from ..sync.host import SITE_BARRIER_PROBE, SITE_DISPATCH_DECODE_BARRIER
+from . import combine as _combine
+from . import dispatch_copy as _dcopy
+from . import dispatch_decode as _ddec
+from . import dispatch_slots as _dslots
+from . import route_topk as _route
+
+DTYPES = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
+MODES = ("decode", "prefill")
+
+ROUTE_WARPS = 4
+DISPATCH_DECODE_WARPS = 8
+DISPATCH_DECODE_V = 4
+DISPATCH_SLOTS_WARPS = 8
+DISPATCH_COPY_WARPS = 4
+DISPATCH_COPY_V = 4
+COMBINE_WARPS = {"decode": 4, "prefill": 8}
+
+# the source files whose text decides the generated code (tests hash them for their cache)
+KERNEL_MODULES = (_gb, _combine, _dcopy, _ddec, _dslots, _route)
+
+
+def combine_v(mode: str, top_k: int) -> int:
+    """Vectors per lane per segment: decode 1 (spread few tokens wide), prefill keeps
+    top_k * V <= 16 loads of 16 bytes in flight per lane."""
+    return 1 if mode == "decode" else max(1, 16 // top_k)
+
+
+def _options(arch: str | None) -> str:
+    return "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+
+
+def _rows(dtype, cols: int, rows=None):
+    """Fake row-major [rows, cols] tensor, 16-byte aligned; rows symbolic unless given."""
+    rows = cute.sym_int() if rows is None else rows
+    return make_fake_compact_tensor(dtype, (rows, cols), stride_order=(1, 0), assumed_align=16)
+
+
+def _vec(dtype, n: int):
+    return make_fake_compact_tensor(dtype, (n,), assumed_align=16)
+
+
+def _stream():
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+@functools.lru_cache(maxsize=None)
+def route_fn(dtype: str, E: int, K: int, sigmoid: bool, has_bias: bool, n_group: int,
+             topk_group: int, norm: bool, arch: str | None = None):
+    """fn(logits [T,E], bias fp32 [E], ids [T,K], weights [T,K], counts [E], ws, scale, grid)."""
+    T = cute.sym_int()
+    return cute.compile(
+        _route.route_topk, _rows(DTYPES[dtype], E, T), _vec(Float32, E), _rows(Int32, K, T),
+        _rows(Float32, K, T), _vec(Int32, E), _vec(Int32, _route.workspace_words(E)),
+        Float32(1.0), Int32(1), _stream(), E, K, sigmoid, has_bias, n_group, topk_group, norm,
+        ROUTE_WARPS, options=_options(arch))
+
+
+@functools.lru_cache(maxsize=None)
+def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None):
+    """fn(x, ids, out, offsets, slot, ws, expert_start, align, ipb, grid, err_addr, max_iters,
+    timeout_ns)."""
+    dt, T = DTYPES[dtype], cute.sym_int()
+    return cute.compile(
+        _ddec.dispatch_decode, _rows(dt, H, T), _rows(Int32, K, T), _rows(dt, H),
+        _vec(Int32, E + 1), _rows(Int32, K, T), _vec(Int32, _ddec.workspace_words(E)),
+        Int32(0), Int32(1), Int32(1), Int32(1), Int64(0), Int32(1), Int64(1), _stream(),
+        H, E, K, DISPATCH_DECODE_WARPS, DISPATCH_DECODE_V, SITE_DISPATCH_DECODE_BARRIER,
+        options=_options(arch))
+
+
+@functools.lru_cache(maxsize=None)
+def dispatch_slots_fn(E: int, K: int, arch: str | None = None):
+    """fn(ids, rank, offsets, ws, expert_start, align, grid)."""
+    T = cute.sym_int()
+    return cute.compile(
+        _dslots.dispatch_slots, _rows(Int32, K, T), _rows(Int32, K, T), _vec(Int32, E + 1),
+        _vec(Int32, _dslots.workspace_words(E)), Int32(0), Int32(1), Int32(1), _stream(),
+        E, K, DISPATCH_SLOTS_WARPS, options=_options(arch))
+
+
+@functools.lru_cache(maxsize=None)
+def dispatch_copy_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None):
+    """fn(x, ids, rank, offsets, out, slot, expert_start)."""
+    dt, T = DTYPES[dtype], cute.sym_int()
+    return cute.compile(
+        _dcopy.dispatch_copy, _rows(dt, H, T), _rows(Int32, K, T), _rows(Int32, K, T),
+        _vec(Int32, E + 1), _rows(dt, H), _rows(Int32, K, T), Int32(0), _stream(),
+        H, E, K, DISPATCH_COPY_WARPS, DISPATCH_COPY_V, options=_options(arch))
+
+
+@functools.lru_cache(maxsize=None)
+def combine_fn(dtype: str, H: int, K: int, mode: str, arch: str | None = None):
+    """fn(expert_y [N,H], slot [T,K], weights [T,K], out [T,H])."""
+    dt, T = DTYPES[dtype], cute.sym_int()
+    return cute.compile(
+        _combine.combine, _rows(dt, H), _rows(Int32, K, T), _rows(Float32, K, T), _rows(dt, H, T),
+        _stream(), H, K, COMBINE_WARPS[mode], combine_v(mode, K), options=_options(arch))
+
+
+@functools.lru_cache(maxsize=None)
+def barrier_probe_fn(arch: str | None = None):
+    """fn(ws int32 [4], absent_block, rounds, grid, err_addr, max_iters, timeout_ns)."""
+    return cute.compile(
+        _gb.barrier_probe, _vec(Int32, 4), Int32(-1), Int32(1), Int32(1), Int64(0), Int32(1),
+        Int64(1), _stream(), SITE_BARRIER_PROBE, options=_options(arch))
+
+
+def dispatch_fns(dtype: str, H: int, E: int, K: int, mode: str, arch: str | None = None) -> tuple:
+    """The compiled functions one dispatch call of `mode` launches (decode 1, prefill 2)."""
+    if mode == "decode":
+        return (dispatch_decode_fn(dtype, H, E, K, arch),)
+    return dispatch_slots_fn(E, K, arch), dispatch_copy_fn(dtype, H, E, K, arch)

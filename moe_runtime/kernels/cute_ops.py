@@ -1,0 +1,340 @@
+"""CuTeDSL backend of route / dispatch / combine (same signatures and semantics as reference.py).
+
+Properties every function here keeps:
+  * outputs come from torch.empty with sizes that depend on shapes only (dispatch allocates
+    `dispatch_capacity(T, k, E_local, align)` rows), never on data;
+  * no host synchronization and no data-dependent host branching, so calls can be captured in
+    a CUDA graph (run each configuration once eagerly first: that compiles the kernel and
+    creates its per-stream workspace);
+  * kernels are compiled once per constexpr tuple (cute_compile.py) and launched through
+    TVM-FFI on the current torch stream; the token count is dynamic (no recompile per T);
+  * T == 0 (a shape fact) returns empty outputs without launching.
+
+Hidden-size policy: rows move as 16-byte vectors, so `hidden * element_size` must be a
+multiple of 16 (hidden % 8 == 0 for bf16/fp16, % 4 for fp32; true for every released MoE
+model). Other sizes raise ValueError here rather than taking a slow scalar path.
+
+Mode (dispatch, combine): "decode" (dispatch: one cooperative launch with a grid barrier) for
+small problems, "prefill" (dispatch: slots launch + copy launch) for large ones, picked from
+T * k * hidden * element_size against thresholds measured by benchmarks/local_dispatch_combine.py
+(`select_dispatch_mode`, `select_combine_mode`).
+
+Device errors (a grid barrier that timed out) are recorded in mapped host memory and raised as
+moe_runtime.sync.DeviceSyncError at the start of a later call, or by `check_errors()`
+(see moe_runtime/sync/host.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..sync.host import check_errors, error_flags, raise_pending, workspace
+from . import cute_compile as cc
+from . import dispatch_decode as _ddec
+from . import dispatch_slots as _dslots
+from . import route_topk as _route
+from .reference import dispatch_capacity
+
+__all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode",
+           "select_dispatch_mode", "select_combine_mode", "check_errors"]
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+# Mode switch points in bytes of expert rows moved (T * k * hidden * element_size), measured on
+# an H200 by benchmarks/local_dispatch_combine.py (its JSON records the sweep).
+DISPATCH_DECODE_MAX_BYTES = 4 << 20
+COMBINE_DECODE_MAX_BYTES = 4 << 20
+
+# Grid-barrier spin bounds of the decode dispatch: polls and nanoseconds (either ends the wait).
+BARRIER_MAX_POLLS = 1 << 22
+BARRIER_TIMEOUT_NS = 1_000_000_000
+
+MAX_TOP_K = 32
+MAX_EXPERTS = 1024
+_INT32_ELEMS = 2**31
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check(name: str, t, dtypes, ndim: int, device=None) -> None:
+    """TypeError for a non-tensor or a dtype outside `dtypes`; ValueError for rank, device,
+    contiguity or a data pointer that is not 16-byte aligned."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (same as the first input)")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if t.numel() and t.data_ptr() % 16:
+        raise ValueError(f"{name} data pointer must be 16-byte aligned, got address "
+                         f"{t.data_ptr():#x} (offset {t.data_ptr() % 16})")
+
+
+def _check_hidden(name: str, t: torch.Tensor) -> None:
+    h = t.shape[1]
+    if h == 0 or (h * t.element_size()) % 16:
+        raise ValueError(f"{name} hidden size {h} x {t.element_size()} bytes must be a positive "
+                         f"multiple of 16 bytes (hidden % {16 // t.element_size()} == 0 for "
+                         f"{t.dtype}); the kernels move rows as 16-byte vectors")
+
+
+def _check_rows_fit(name: str, rows: int, hidden: int) -> None:
+    if rows * hidden >= _INT32_ELEMS:
+        raise ValueError(f"{name} has {rows} x {hidden} elements, the kernels index with int32 "
+                         f"(< 2**31 elements)")
+
+
+def _check_top_k(k: int) -> None:
+    if not 1 <= k <= MAX_TOP_K:
+        raise ValueError(f"top_k must be in [1, {MAX_TOP_K}], got {k}")
+
+
+# ---------------------------------------------------------------------------------- route
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    norm_topk_prob: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router epilogue in one kernel (kernels/route_topk.py); semantics of reference.route.
+
+    Args:
+        logits: [T, E] bf16/fp16/fp32 CUDA, contiguous, 16-byte aligned; E <= 1024.
+        top_k: k in [1, min(32, E)].
+        scoring: "softmax" or "sigmoid".
+        norm_topk_prob: renormalize the k weights (sigmoid: by sum + 1e-20).
+        correction_bias: optional fp32-convertible [E] added to sigmoid scores for the choice.
+        n_group, topk_group: group-limited selection (E % n_group == 0, topk_group <= n_group).
+        routed_scaling_factor: multiplies the final weights.
+
+    Returns:
+        topk_ids int32 [T, k] (descending score, ties to the smaller id), topk_weights fp32
+        [T, k], counts int32 [E].
+
+    Raises:
+        TypeError / ValueError: inputs outside the above.
+    """
+    _check("logits", logits, tuple(_DTYPE_NAMES), 2)
+    T, E = logits.shape
+    _check_top_k(top_k)
+    if not 1 <= E <= MAX_EXPERTS or top_k > E:
+        raise ValueError(f"need 1 <= E <= {MAX_EXPERTS} and top_k <= E, got E={E}, top_k={top_k}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    sigmoid = scoring == "sigmoid"
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"need E % n_group == 0 and 1 <= topk_group <= n_group, got E={E}, "
+                         f"n_group={n_group}, topk_group={topk_group}")
+    if n_group > 1 and not sigmoid:
+        raise ValueError("group-limited routing (n_group > 1) is defined for scoring='sigmoid'")
+    has_bias = sigmoid and correction_bias is not None
+    dev = logits.device
+    if has_bias:
+        if not isinstance(correction_bias, torch.Tensor) or correction_bias.shape != (E,):
+            raise ValueError(f"correction_bias must be a tensor of shape ({E},), got "
+                             f"{getattr(correction_bias, 'shape', type(correction_bias).__name__)}")
+        bias = correction_bias.to(device=dev, dtype=torch.float32).contiguous()
+    else:
+        bias = _zeros_f32(dev, E)
+    raise_pending()
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    if T == 0:
+        return ids, weights, torch.zeros(E, dtype=torch.int32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    fn = cc.route_fn(_DTYPE_NAMES[logits.dtype], E, top_k, sigmoid, has_bias, n_group, topk_group,
+                     bool(norm_topk_prob))
+    grid = min(-(-T // cc.ROUTE_WARPS), 4 * _sm_count(dev.index))
+    ws = workspace(dev, "route", _route.workspace_words(E))
+    fn(logits, bias, ids, weights, counts, ws, float(routed_scaling_factor), grid)
+    return ids, weights, counts
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_f32_cached(index: int, n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.float32, device=torch.device("cuda", index))
+
+
+def _zeros_f32(dev: torch.device, n: int) -> torch.Tensor:
+    return _zeros_f32_cached(dev.index, n)
+
+
+# ------------------------------------------------------------------------------- dispatch
+def select_dispatch_mode(num_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
+                         device: torch.device | None = None) -> str:
+    """"decode" when T*k*hidden*element_size <= DISPATCH_DECODE_MAX_BYTES and the (t, j) items
+    fit one co-resident grid (T*k <= SMs * threads per block), else "prefill"."""
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    moved = num_tokens * top_k * hidden * dtype.itemsize
+    fits = num_tokens * top_k <= _sm_count(index) * cc.DISPATCH_DECODE_WARPS * 32
+    return "decode" if moved <= DISPATCH_DECODE_MAX_BYTES and fits else "prefill"
+
+
+def dispatch(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_start: int,
+    num_local_experts: int,
+    align: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Permute token rows into expert-major order for experts [expert_start, +E_local).
+
+    Args and returns as reference.dispatch: x [T, H] bf16/fp16/fp32 (H * element_size a multiple
+    of 16 bytes), topk_ids int32 [T, k] -> expert_x [dispatch_capacity(T, k, E_local, align), H]
+    (rows past expert_offsets[-1] and padding rows unspecified), expert_offsets int32
+    [E_local + 1], token_slot int32 [T, k] (-1 = expert not local). Within an expert the row
+    order is unspecified. The mode comes from `select_dispatch_mode`.
+
+    Raises:
+        TypeError / ValueError: invalid inputs (see `_check`, the hidden-size policy, top_k <= 32,
+        1 <= num_local_experts <= 1024, align >= 1, expert_start >= 0).
+        moe_runtime.sync.DeviceSyncError: an earlier decode launch's grid barrier timed out.
+    """
+    T, k = _dispatch_shape(x, topk_ids)
+    mode = select_dispatch_mode(T, k, x.shape[1], x.dtype, x.device)
+    return dispatch_in_mode(x, topk_ids, expert_start=expert_start,
+                            num_local_experts=num_local_experts, align=align, mode=mode)
+
+
+def _dispatch_shape(x, topk_ids) -> tuple[int, int]:
+    _check("x", x, tuple(_DTYPE_NAMES), 2)
+    _check("topk_ids", topk_ids, (torch.int32,), 2, x.device)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has {x.shape[0]}")
+    _check_hidden("x", x)
+    _check_top_k(topk_ids.shape[1])
+    return topk_ids.shape
+
+
+def dispatch_in_mode(x: torch.Tensor, topk_ids: torch.Tensor, *, expert_start: int,
+                     num_local_experts: int, align: int = 1, mode: str):
+    """`dispatch` with the mode forced ("decode" or "prefill"); for tests and benchmarks.
+
+    Raises:
+        ValueError: as `dispatch`, an unknown mode, or "decode" with more than
+        SMs * threads-per-block (t, j) items (one co-resident grid).
+    """
+    T, k = _dispatch_shape(x, topk_ids)
+    E = num_local_experts
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got {E}")
+    if align < 1 or expert_start < 0:
+        raise ValueError(f"need align >= 1 and expert_start >= 0, got align={align}, "
+                         f"expert_start={expert_start}")
+    if mode not in cc.MODES:
+        raise ValueError(f"mode must be one of {cc.MODES}, got {mode!r}")
+    H = x.shape[1]
+    rows = dispatch_capacity(T, k, E, align)
+    _check_rows_fit("expert_x", rows, H)
+    dev = x.device
+    raise_pending()
+    expert_x = torch.empty(rows, H, dtype=x.dtype, device=dev)
+    token_slot = torch.empty(T, k, dtype=torch.int32, device=dev)
+    if T == 0:
+        return expert_x, torch.zeros(E + 1, dtype=torch.int32, device=dev), token_slot
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    dtype = _DTYPE_NAMES[x.dtype]
+    if mode == "decode":
+        n = T * k
+        sms = _sm_count(dev.index)
+        ipb = -(-n // min(sms, n))
+        if ipb > cc.DISPATCH_DECODE_WARPS * 32:
+            raise ValueError(f"decode dispatch holds at most {sms * cc.DISPATCH_DECODE_WARPS * 32} "
+                             f"(t, j) items on this GPU, got {n}; use mode='prefill'")
+        fn = cc.dispatch_decode_fn(dtype, H, E, k)
+        ws = workspace(dev, "dispatch_decode", _ddec.workspace_words(E))
+        fn(x, topk_ids, expert_x, offsets, token_slot, ws, expert_start, align, ipb, -(-n // ipb),
+           error_flags().device_addr, BARRIER_MAX_POLLS, BARRIER_TIMEOUT_NS)
+    else:
+        rank = torch.empty(T, k, dtype=torch.int32, device=dev)
+        threads = cc.DISPATCH_SLOTS_WARPS * 32
+        grid = min(-(-(T * k) // threads), 2 * _sm_count(dev.index))
+        ws = workspace(dev, "dispatch_slots", _dslots.workspace_words(E))
+        cc.dispatch_slots_fn(E, k)(topk_ids, rank, offsets, ws, expert_start, align, grid)
+        cc.dispatch_copy_fn(dtype, H, E, k)(x, topk_ids, rank, offsets, expert_x, token_slot,
+                                            expert_start)
+    return expert_x, offsets, token_slot
+
+
+# -------------------------------------------------------------------------------- combine
+def select_combine_mode(num_tokens: int, top_k: int, hidden: int, dtype: torch.dtype) -> str:
+    """"decode" when T*k*hidden*element_size <= COMBINE_DECODE_MAX_BYTES, else "prefill"."""
+    moved = num_tokens * top_k * hidden * dtype.itemsize
+    return "decode" if moved <= COMBINE_DECODE_MAX_BYTES else "prefill"
+
+
+def combine(expert_y: torch.Tensor, token_slot: torch.Tensor,
+            topk_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted gather-sum back into token order: y[t] = sum_j w[t,j] * expert_y[slot[t,j]].
+
+    Args:
+        expert_y: [N, H] bf16/fp16/fp32 (H * element_size a multiple of 16 bytes).
+        token_slot: int32 [T, k], entries in [-1, N) (-1 contributes nothing; not checked on
+            the device: an entry >= N reads out of bounds).
+        topk_weights: fp32 [T, k].
+
+    Returns:
+        y [T, H] in expert_y.dtype, accumulated in fp32 in order j = 0..k-1.
+
+    Raises:
+        TypeError / ValueError: invalid inputs.
+    """
+    T, k = _combine_shape(expert_y, token_slot, topk_weights)
+    mode = select_combine_mode(T, k, expert_y.shape[1], expert_y.dtype)
+    return combine_in_mode(expert_y, token_slot, topk_weights, mode=mode)
+
+
+def _combine_shape(expert_y, token_slot, topk_weights) -> tuple[int, int]:
+    _check("expert_y", expert_y, tuple(_DTYPE_NAMES), 2)
+    _check("token_slot", token_slot, (torch.int32,), 2, expert_y.device)
+    _check("topk_weights", topk_weights, (torch.float32,), 2, expert_y.device)
+    if topk_weights.shape != token_slot.shape:
+        raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} != token_slot shape "
+                         f"{tuple(token_slot.shape)}")
+    _check_hidden("expert_y", expert_y)
+    _check_top_k(token_slot.shape[1])
+    _check_rows_fit("expert_y", expert_y.shape[0], expert_y.shape[1])
+    return token_slot.shape
+
+
+def combine_in_mode(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weights: torch.Tensor,
+                    *, mode: str) -> torch.Tensor:
+    """`combine` with the grid shape forced ("decode" or "prefill"); for tests and benchmarks."""
+    T, k = _combine_shape(expert_y, token_slot, topk_weights)
+    if mode not in cc.MODES:
+        raise ValueError(f"mode must be one of {cc.MODES}, got {mode!r}")
+    H = expert_y.shape[1]
+    _check_rows_fit("y", T, H)
+    raise_pending()
+    y = torch.empty(T, H, dtype=expert_y.dtype, device=expert_y.device)
+    if T:
+        cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, mode)(expert_y, token_slot,
+                                                                 topk_weights, y)
+    return y
+
+
+# ---------------------------------------------------------------------------- test hook
+def launch_barrier_probe(device: torch.device, grid: int, absent_block: int, rounds: int,
+                         max_polls: int, timeout_ns: int) -> None:
+    """Test hook: `rounds` grid barriers over `grid` cooperative blocks, block `absent_block`
+    (-1: none) never arriving. Uses its own zeroed barrier word; errors surface through
+    check_errors() as "grid barrier probe timed out ..."."""
+    ws = torch.zeros(4, dtype=torch.int32, device=device)
+    cc.barrier_probe_fn()(ws, absent_block, rounds, grid, error_flags().device_addr,
+                          max_polls, timeout_ns)

@@ -1,0 +1,93 @@
+"""Device helpers shared by the dispatch and combine kernels: 128-bit row segments and a
+block-wide exclusive scan.
+
+Row segments: a row of `hidden` elements is viewed as nv = hidden / VEC vectors of 16 bytes
+(VEC = 16 / element bytes: 8 for bf16/fp16, 4 for fp32). A warp moves a row in segments of
+32 * V vectors: lane l handles vectors seg * 32 * V + i * 32 + l for i < V, so each
+instruction of the warp touches 512 contiguous bytes. Vectors past nv (the last, partial
+segment) are predicated off. Callers issue all loads of a segment before its stores
+(CUTEDSL.md P10: loads are not reordered across stores that might alias).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Int32
+
+VEC_BYTES = 16
+
+
+def vec_width(dtype) -> int:
+    """Elements per 16-byte vector for a cutlass numeric type."""
+    return VEC_BYTES * 8 // dtype.width
+
+
+def num_segments(hidden: int, dtype, v: int) -> int:
+    """Segments of 32 * v vectors in a row of `hidden` elements."""
+    nv = hidden // vec_width(dtype)
+    return (nv + 32 * v - 1) // (32 * v)
+
+
+def row_vectors(row: cute.Tensor, vec: int) -> cute.Tensor:
+    """[hidden] row -> ((vec), (hidden / vec)) vector view."""
+    return cute.zipped_divide(row, (vec,))
+
+
+@cute.jit
+def load_segment(src: cute.Tensor, frag: cute.Tensor, lane: Int32, seg: Int32,
+                 V: Constexpr[int], nv: Constexpr[int]):
+    """frag[:, i] = src vector (seg * 32 * V + i * 32 + lane) for i < V; vectors >= nv skipped."""
+    for i in cutlass.range_constexpr(V):
+        c = seg * (32 * V) + i * 32 + lane
+        if cutlass.const_expr(nv % (32 * V) == 0):
+            frag[None, i].store(src[None, c].load())
+        else:
+            if c < nv:
+                frag[None, i].store(src[None, c].load())
+
+
+@cute.jit
+def store_segment(dst: cute.Tensor, frag: cute.Tensor, lane: Int32, seg: Int32,
+                  V: Constexpr[int], nv: Constexpr[int]):
+    """Inverse of `load_segment`."""
+    for i in cutlass.range_constexpr(V):
+        c = seg * (32 * V) + i * 32 + lane
+        if cutlass.const_expr(nv % (32 * V) == 0):
+            dst[None, c].store(frag[None, i].load())
+        else:
+            if c < nv:
+                dst[None, c].store(frag[None, i].load())
+
+
+@cute.jit
+def block_exclusive_scan(val: Int32, s_warp: cute.Tensor, warps: Constexpr[int]):
+    """Exclusive prefix sum of one Int32 per thread over the block (thread order).
+
+    s_warp: shared Int32 [warps] scratch. Returns (exclusive prefix, block total), the same
+    total in every thread. Block-wide call (two barriers).
+    """
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    incl = val
+    for i in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(incl, offset=1 << i)
+        if lane >= (1 << i):
+            incl = incl + up
+    if lane == 31:
+        s_warp[warp] = incl
+    cute.arch.sync_threads()
+    before = Int32(0)
+    total = Int32(0)
+    for w in cutlass.range_constexpr(warps):
+        part = s_warp[w]
+        if w < warp:
+            before = before + part
+        total = total + part
+    cute.arch.sync_threads()
+    return before + incl - val, total
+
+
+@cute.jit
+def padded_count(count: Int32, align: Int32) -> Int32:
+    """count rounded up to a multiple of align (align >= 1)."""
+    return (count + align - 1) // align * align

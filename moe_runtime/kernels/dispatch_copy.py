@@ -1,0 +1,59 @@
+"""Dispatch, prefill mode, launch 2 of 2: slots and row copies.
+
+Specialization (constexpr): dtype, H hidden, E local experts, K top-k, WARPS per block, V
+vectors per lane per segment. Dynamic: T tokens, N output rows.
+One warp per (token, row segment), grid = ceil(T * NSEG / WARPS) (as large as the data needs):
+lanes j < K turn rank[t, j] (launch 1, dispatch_slots.py) into slot = offset[e] + rank and
+broadcast the K slots by shuffles; the warp loads the token's segment ONCE (128-bit loads) and
+stores it to each of its local slots. Segment 0's warp writes token_slot.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Int32
+
+from .device_rows import load_segment, row_vectors, store_segment, vec_width
+
+
+@cute.kernel
+def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
+                         mOffsets: cute.Tensor, mOut: cute.Tensor, mSlot: cute.Tensor,
+                         expert_start: Int32, H: Constexpr[int], E: Constexpr[int],
+                         K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
+    VEC = vec_width(mX.element_type)
+    NV = H // VEC
+    NSEG = (NV + 32 * V - 1) // (32 * V)
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    unit = bidx * WARPS + tidx // 32
+    t = unit // NSEG
+    seg = unit - t * NSEG
+    if t < mX.shape[0]:
+        slot = Int32(-1)
+        if lane < K:
+            e = mIds[t, lane] - expert_start
+            if e >= 0 and e < E:
+                slot = mOffsets[e] + mRank[t, lane]
+            if seg == 0:
+                mSlot[t, lane] = slot
+        frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
+        load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, NV)
+        for j in cutlass.range_constexpr(K):
+            dst = cute.arch.shuffle_sync(slot, offset=j)
+            if dst >= 0:
+                store_segment(row_vectors(mOut[dst, None], VEC), frag, lane, seg, V, NV)
+
+
+@cute.jit
+def dispatch_copy(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.Tensor,
+                  mOut: cute.Tensor, mSlot: cute.Tensor, expert_start: Int32, stream,
+                  H: Constexpr[int], E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int],
+                  V: Constexpr[int]):
+    """x [T,H] + rank/offsets from launch 1 -> out [N,H], slot int32 [T,K]."""
+    VEC = vec_width(mX.element_type)
+    nseg = (H // VEC + 32 * V - 1) // (32 * V)
+    dispatch_copy_kernel(mX, mIds, mRank, mOffsets, mOut, mSlot, expert_start, H, E, K, WARPS,
+                         V).launch(grid=(cute.ceil_div(mX.shape[0] * nseg, WARPS), 1, 1),
+                                   block=(WARPS * 32, 1, 1), stream=stream)

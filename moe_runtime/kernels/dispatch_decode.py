@@ -1,0 +1,144 @@
+"""Dispatch, decode mode: ONE cooperative launch, phases separated by a grid barrier.
+
+Specialization (constexpr): dtype (from the tensors), H hidden, E local experts, K top-k,
+WARPS per block, V vectors per lane per row segment. Dynamic: T tokens, N output rows.
+
+Grid: G <= number of SMs blocks (co-resident, cooperative launch); block b owns the (t, j)
+items [b * ipb, (b + 1) * ipb) of the flattened [T, K] ids, ipb <= WARPS * 32.
+  phase 1 (count/assign): each thread takes one item; local experts get a rank inside the
+      block from a shared-memory atomic; one global atomic per (block, expert) then reserves
+      a contiguous range of the expert's rows (base).
+  grid barrier (sync/grid_barrier.py): all counts are final.
+  phase 2 (offsets + copy): every block scans the padded global counts itself (E values),
+      slot = offset[e] + base[e] + rank; block 0 writes expert_offsets; then the block's warps
+      copy its items' rows in 128-bit segments.
+Counters are double-buffered by the barrier's parity bit: this launch adds into
+counts[phase] and clears counts[1 - phase] for the next launch, so nothing is memset.
+Workspace int32 [workspace_words(E)]: [0] barrier word, [4 : 4 + 2E] counts[2][E].
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Int32, Int64, Uint32
+
+from ..sync.grid_barrier import barrier_phase, grid_barrier
+from ..sync.ordered import ld_relaxed
+from .device_rows import block_exclusive_scan, load_segment, padded_count, row_vectors, \
+    store_segment, vec_width
+
+
+def workspace_words(num_experts: int) -> int:
+    return 4 + 2 * num_experts
+
+
+@cute.kernel
+def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor,
+                           mOffsets: cute.Tensor, mSlot: cute.Tensor, mWs: cute.Tensor,
+                           expert_start: Int32, align: Int32, ipb: Int32, err_addr: Int64,
+                           max_iters: Int32, timeout_ns: Int64,
+                           H: Constexpr[int], E: Constexpr[int], K: Constexpr[int],
+                           WARPS: Constexpr[int], V: Constexpr[int], site: Constexpr[int]):
+    THREADS = WARPS * 32
+    VEC = vec_width(mX.element_type)
+    NV = H // VEC
+    NSEG = (NV + 32 * V - 1) // (32 * V)
+    PER_T = (E + THREADS - 1) // THREADS  # experts per thread in the offset scan
+
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    n_items = mIds.shape[0] * K
+    first = bidx * ipb
+
+    smem = cutlass.memory.SmemAllocator()
+    s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    s_base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    s_off = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    s_slot = smem.allocate_tensor(Int32, cute.make_layout(THREADS), byte_alignment=16)
+    s_warp = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+    s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+    for i in cutlass.range_constexpr(PER_T):
+        e = tidx + i * THREADS
+        if e < E:
+            s_cnt[e] = 0
+    cute.arch.sync_threads()
+
+    bar = cute.recast_ptr(mWs.iterator, dtype=Uint32)
+    phase = barrier_phase(bar)
+    counts = mWs.iterator + (4 + phase * E)
+    stale = cute.make_tensor(mWs.iterator + (4 + (1 - phase) * E), cute.make_layout(E))
+
+    # ---- phase 1: rank inside the block, then one global reservation per (block, expert)
+    item = first + tidx
+    mine = tidx < ipb and item < n_items
+    el = Int32(-1)
+    rank = Int32(0)
+    if mine:
+        e = mIds[item // K, item % K] - expert_start
+        if e >= 0 and e < E:
+            el = e
+            rank = cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
+    cute.arch.sync_threads()
+    for i in cutlass.range_constexpr(PER_T):
+        e = tidx + i * THREADS
+        if e < E:
+            c = s_cnt[e]
+            if c > 0:
+                s_base[e] = cute.arch.atomic_add(counts + e, c)
+
+    ok = grid_barrier(bar, s_flag.iterator, err_addr, max_iters, timeout_ns, site)
+
+    # ---- phase 2: offsets from the final counts, slots, row copies
+    if ok != 0:
+        part = Int32(0)
+        for i in cutlass.range_constexpr(PER_T):
+            e = tidx * PER_T + i
+            if e < E:
+                part = part + padded_count(Int32(ld_relaxed(counts + e)), align)
+        excl, total = block_exclusive_scan(part, s_warp, WARPS)
+        for i in cutlass.range_constexpr(PER_T):
+            e = tidx * PER_T + i
+            if e < E:
+                s_off[e] = excl
+                if bidx == 0:
+                    mOffsets[e] = excl
+                excl = excl + padded_count(Int32(ld_relaxed(counts + e)), align)
+        if bidx == 0:
+            if tidx == 0:
+                mOffsets[E] = total
+            for i in cutlass.range_constexpr(PER_T):
+                e = tidx + i * THREADS
+                if e < E:
+                    stale[e] = 0
+        cute.arch.sync_threads()
+        slot = Int32(-1)
+        if el >= 0:
+            slot = s_off[el] + s_base[el] + rank
+        if mine:
+            mSlot[item // K, item % K] = slot
+        s_slot[tidx] = slot
+        cute.arch.sync_threads()
+
+        n_mine = cutlass.max(cutlass.min(ipb, n_items - first), 0)
+        frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
+        for u in cutlass.range(warp, n_mine * NSEG, WARPS):
+            it = u // NSEG
+            seg = u - it * NSEG
+            dst = s_slot[it]
+            if dst >= 0:
+                load_segment(row_vectors(mX[(first + it) // K, None], VEC), frag, lane, seg, V, NV)
+                store_segment(row_vectors(mOut[dst, None], VEC), frag, lane, seg, V, NV)
+
+
+@cute.jit
+def dispatch_decode(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor, mOffsets: cute.Tensor,
+                    mSlot: cute.Tensor, mWs: cute.Tensor, expert_start: Int32, align: Int32,
+                    ipb: Int32, grid: Int32, err_addr: Int64, max_iters: Int32, timeout_ns: Int64,
+                    stream, H: Constexpr[int], E: Constexpr[int], K: Constexpr[int],
+                    WARPS: Constexpr[int], V: Constexpr[int], site: Constexpr[int]):
+    """x [T,H], ids int32 [T,K] -> out [N,H], offsets int32 [E+1], slot int32 [T,K] (grid <= SMs)."""
+    dispatch_decode_kernel(mX, mIds, mOut, mOffsets, mSlot, mWs, expert_start, align, ipb, err_addr,
+                           max_iters, timeout_ns, H, E, K, WARPS, V, site).launch(
+        grid=(grid, 1, 1), block=(WARPS * 32, 1, 1), cooperative=True, stream=stream)

@@ -1,0 +1,95 @@
+"""Dispatch, prefill mode, launch 1 of 2: slot ranks and expert offsets.
+
+Specialization (constexpr): E local experts, K top-k, WARPS per block. Dynamic: T tokens, grid.
+Grid-stride over the flattened (t, j) items:
+  * a local expert gets a rank inside its block from a shared-memory atomic (atom.shared.add),
+    written to `rank` [T, K] (-1 for experts outside [expert_start, expert_start + E));
+  * one global atomic per (block, expert) reserves a contiguous range (base); a second pass
+    adds base to the block's ranks -> rank inside the expert;
+  * the block that finishes last (sync/grid_barrier.last_block_arrive) scans the padded counts
+    into expert_offsets [E+1] and clears the counters for the next launch.
+Workspace int32 [workspace_words(E)]: [0] arrival counter, [4 : 4 + E] counts; zero between
+launches. Launch 2 (dispatch_copy.py) turns ranks into slots and copies the rows.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Int32, Uint32
+
+from ..sync.grid_barrier import last_block_arrive
+from ..sync.ordered import ld_relaxed
+from .device_rows import block_exclusive_scan, padded_count
+
+
+def workspace_words(num_experts: int) -> int:
+    return 4 + num_experts
+
+
+@cute.kernel
+def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.Tensor,
+                          mWs: cute.Tensor, expert_start: Int32, align: Int32,
+                          E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int]):
+    THREADS = WARPS * 32
+    PER_T = (E + THREADS - 1) // THREADS
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    n_items = mIds.shape[0] * K
+
+    smem = cutlass.memory.SmemAllocator()
+    s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    s_base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    s_warp = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+    s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+    counts = cute.make_tensor(mWs.iterator + 4, cute.make_layout(E))
+    for i in cutlass.range_constexpr(PER_T):
+        e = tidx + i * THREADS
+        if e < E:
+            s_cnt[e] = 0
+    cute.arch.sync_threads()
+
+    for item in cutlass.range(bidx * THREADS + tidx, n_items, nblk * THREADS):
+        e = mIds[item // K, item % K] - expert_start
+        r = Int32(-1)
+        if e >= 0 and e < E:
+            r = cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
+        mRank[item // K, item % K] = r
+    cute.arch.sync_threads()
+    for i in cutlass.range_constexpr(PER_T):
+        e = tidx + i * THREADS
+        if e < E:
+            c = s_cnt[e]
+            if c > 0:
+                s_base[e] = cute.arch.atomic_add(counts.iterator + e, c)
+    cute.arch.sync_threads()
+    for item in cutlass.range(bidx * THREADS + tidx, n_items, nblk * THREADS):
+        e = mIds[item // K, item % K] - expert_start
+        if e >= 0 and e < E:
+            mRank[item // K, item % K] = mRank[item // K, item % K] + s_base[e]
+
+    if last_block_arrive(cute.recast_ptr(mWs.iterator, dtype=Uint32), s_flag.iterator) != 0:
+        part = Int32(0)
+        for i in cutlass.range_constexpr(PER_T):
+            e = tidx * PER_T + i
+            if e < E:
+                part = part + padded_count(Int32(ld_relaxed(counts.iterator + e)), align)
+        excl, total = block_exclusive_scan(part, s_warp, WARPS)
+        for i in cutlass.range_constexpr(PER_T):
+            e = tidx * PER_T + i
+            if e < E:
+                mOffsets[e] = excl
+                excl = excl + padded_count(Int32(ld_relaxed(counts.iterator + e)), align)
+                counts[e] = 0
+        if tidx == 0:
+            mOffsets[E] = total
+            mWs[0] = 0
+
+
+@cute.jit
+def dispatch_slots(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.Tensor, mWs: cute.Tensor,
+                   expert_start: Int32, align: Int32, grid: Int32, stream,
+                   E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int]):
+    """ids int32 [T,K] -> rank int32 [T,K] (rank inside its expert, -1 = not local), offsets [E+1]."""
+    dispatch_slots_kernel(mIds, mRank, mOffsets, mWs, expert_start, align, E, K, WARPS).launch(
+        grid=(grid, 1, 1), block=(WARPS * 32, 1, 1), stream=stream)

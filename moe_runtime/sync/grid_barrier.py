@@ -1,0 +1,134 @@
+"""Bounded, reusable grid barrier and "last block" detection (CuTeDSL device functions).
+
+grid_barrier: one 32-bit word in device memory, zeroed once at allocation, never memset again.
+Every block adds 1, block 0 adds 2^31 - (nblocks - 1), so bit 31 flips exactly when the last
+block arrives and the low bits return to 0 (the scheme of CUDA cooperative groups' grid.sync;
+CUTEDSL.md recipe 5). Each block waits until bit 31 differs from the `old` value its own atomic
+returned, so there is no ABA problem and no epoch to pass in: the word is its own generation
+counter. Between launches bit 31 is the launch parity (`barrier_phase`), which kernels use to
+double-buffer per-launch counters instead of clearing them.
+
+The wait is bounded twice: by `max_iters` polls and by `timeout_ns` of %globaltimer (timers
+overshoot on some machines, CUTEDSL.md §16 r9, so the iteration bound is the reliable one).
+On timeout the block records `site` in the error words (mapped host memory, see
+`moe_runtime.sync.host.ErrorFlags`) and returns ok = 0; callers skip the work that depended on
+the barrier. After a timeout the barrier word is inconsistent: the host resets it together
+with the error flags (`ErrorFlags.clear`).
+
+Requirements: all blocks co-resident (launch with cooperative=True, grid <= SMs x occupancy),
+called from block-uniform control flow by every thread of every block, 1-D grids.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Int32, Int64, Uint32
+
+from .ordered import atomic_add_acq_rel, atomic_add_release, fence_gpu, ld_acquire, ld_relaxed, \
+    mapped_i32, st_relaxed
+
+PHASE_BIT = 0x80000000
+
+
+@cute.jit
+def barrier_phase(bar: cute.Pointer) -> Int32:
+    """Bit 31 of the barrier word (0/1): constant for a whole launch until its first barrier."""
+    return Int32(ld_relaxed(bar) >> Uint32(31))
+
+
+@cute.jit
+def record_error(err_addr: Int64, site: Constexpr[int]):
+    """Set error word `site` and bump the "any error" word 0 (system scope: the host reads them)."""
+    if err_addr != Int64(0):
+        errs = mapped_i32(err_addr)
+        st_relaxed(errs + site, Int32(1), "sys")
+        cute.arch.atomic_add(errs, Int32(1), scope="sys")
+
+
+@cute.jit
+def grid_barrier(bar: cute.Pointer, s_flag: cute.Pointer, err_addr: Int64, max_iters: Int32,
+                 timeout_ns: Int64, site: Constexpr[int]) -> Int32:
+    """Block-wide call: wait until every block of the grid has arrived.
+
+    Args:
+        bar: the Uint32 barrier word (global memory).
+        s_flag: one Int32 of shared memory, used to broadcast the outcome to the block.
+        err_addr: address of the error words (0: do not record).
+        max_iters, timeout_ns: spin bounds (polls, nanoseconds).
+        site: error word index naming this barrier for the host's message.
+
+    Returns:
+        1 when the barrier completed, 0 when this block gave up (same value in all its threads).
+    """
+    cute.arch.sync_threads()
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        inc = Uint32(1)
+        if bidx == 0:
+            inc = Uint32(PHASE_BIT) - (Uint32(nblk) - Uint32(1))
+        fence_gpu()
+        old = atomic_add_release(bar, inc)
+        t0 = cute.arch.globaltimer()
+        cur = ld_acquire(bar)
+        waiting = ((old ^ cur) & Uint32(PHASE_BIT)) == Uint32(0)
+        polls = Int32(0)
+        in_time = True
+        while waiting and in_time:
+            cur = ld_acquire(bar)
+            waiting = ((old ^ cur) & Uint32(PHASE_BIT)) == Uint32(0)
+            polls = polls + 1
+            in_time = polls < max_iters and (cute.arch.globaltimer() - t0) <= timeout_ns
+        fence_gpu()
+        ok = Int32(1)
+        if waiting:
+            ok = Int32(0)
+            record_error(err_addr, site)
+        cute.arch.store(s_flag, ok)
+    cute.arch.sync_threads()
+    return cute.arch.load(s_flag, Int32)
+
+
+@cute.jit
+def last_block_arrive(done: cute.Pointer, s_flag: cute.Pointer) -> Int32:
+    """Block-wide call after a block's last global update: 1 in the block that arrives last.
+
+    The arrival is an acq_rel atomic on a counter (zero at launch), so the last block observes
+    every other block's earlier writes (threadFenceReduction pattern of the CUDA samples). The
+    last block must reset `done` to 0 for the next launch. Never waits, so no bound is needed.
+    """
+    cute.arch.sync_threads()
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        nblk, _, _ = cute.arch.grid_dim()
+        fence_gpu()
+        old = atomic_add_acq_rel(done, Uint32(1))
+        last = Int32(0)
+        if old == Uint32(nblk) - Uint32(1):
+            last = Int32(1)
+        cute.arch.store(s_flag, last)
+    cute.arch.sync_threads()
+    return cute.arch.load(s_flag, Int32)
+
+
+@cute.kernel
+def barrier_probe_kernel(mWs: cute.Tensor, absent_block: Int32, rounds: Int32, err_addr: Int64,
+                         max_iters: Int32, timeout_ns: Int64, site: Constexpr[int]):
+    """Test hook: `rounds` grid barriers in a row; block `absent_block` never arrives."""
+    bidx, _, _ = cute.arch.block_idx()
+    smem = cutlass.memory.SmemAllocator()
+    s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+    bar = cute.recast_ptr(mWs.iterator, dtype=Uint32)
+    if bidx != absent_block:
+        for _ in cutlass.range(rounds):
+            grid_barrier(bar, s_flag.iterator, err_addr, max_iters, timeout_ns, site)
+
+
+@cute.jit
+def barrier_probe(mWs: cute.Tensor, absent_block: Int32, rounds: Int32, grid: Int32,
+                  err_addr: Int64, max_iters: Int32, timeout_ns: Int64, stream,
+                  site: Constexpr[int]):
+    """Launch `barrier_probe_kernel` cooperatively with `grid` blocks of 32 threads."""
+    barrier_probe_kernel(mWs, absent_block, rounds, err_addr, max_iters, timeout_ns, site).launch(
+        grid=(grid, 1, 1), block=(32, 1, 1), cooperative=True, stream=stream)
