@@ -27,6 +27,24 @@ def grouped_mm_supported(device_type: str, device_index: int | None, dtype: torc
         return False
 
 
+def grouped_mm_host_sync_free(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` with device offsets runs without a host sync on `device`.
+
+    On CUDA only torch's CUTLASS fast path is sync-free: bf16 operands and output on compute
+    capability 9.x or 10.x (GroupedBlas.cpp); every other case takes `_grouped_mm_fallback`, which
+    copies the offsets to the host (`offs.cpu()`). Its other requirements, 16-byte aligned data
+    pointers and row strides (H and I multiples of 8 for bf16), hold for contiguous expert rows;
+    it needs NO per-expert row alignment (groups may hold any number of rows, 0 included).
+    CPU: True (nothing to wait for).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, use_grouped: bool) -> torch.Tensor:
     """out[r] = x[r] @ w[e].T for the rows r of expert e.
 
@@ -93,6 +111,17 @@ class Experts(nn.Module):
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)
+
+    def host_sync_free(self, device, dtype: torch.dtype) -> bool:
+        """Whether forward on `device` with `dtype` rows never waits for the host (the grouped
+        path with device offsets, see `grouped_mm_host_sync_free`; the per-expert loop reads the
+        offsets on the host)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return True
+        grouped = (self.use_grouped_mm if self.use_grouped_mm is not None
+                   else grouped_mm_supported(device.type, device.index, dtype))
+        return grouped and grouped_mm_host_sync_free(device, dtype)
 
 
 class SharedExpert(nn.Module):

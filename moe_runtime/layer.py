@@ -1,11 +1,15 @@
 """MoELayer = router -> topology.dispatch -> experts (grouped GEMM) -> topology.combine (+ shared)."""
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 from torch import nn
 
 from .config import MoEConfig
+from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
+from .kernels import resolve_backend
 from .routing import Router
 from .topologies.base import Topology
 
@@ -27,6 +31,13 @@ class MoELayer(nn.Module):
         forward(hidden_states [..., H] in config.dtype) -> [..., H] in config.dtype.
         Under `tp` every rank passes the same tokens and gets the full output; under `dp_*`
         each rank passes its own tokens (any count, 0 included).
+
+    Decode on CUDA: on the `local` topology with the `cute` backend and bf16 on sm_90/sm_100,
+    forward never synchronizes with the host (routing, dispatch and combine are CuTeDSL kernels,
+    the expert GEMMs are `torch._grouped_mm` with device offsets), so `enable_cuda_graphs()` can
+    capture it per bucketed token count (see cuda_graphs.py). `torch._grouped_mm` needs no row
+    alignment per expert (only 16-byte aligned rows, i.e. H and I multiples of 8), so `align`
+    stays 1 by default on CUDA too.
 
     Raises:
         ValueError / TypeError: bad config, topology name, or input shape/dtype/device.
@@ -51,6 +62,7 @@ class MoELayer(nn.Module):
             self.shared_expert = SharedExpert(config.hidden_size, config.shared_expert_intermediate_size,
                                               gated=config.shared_expert_gate, dtype=config.dtype,
                                               device=device)
+        self.cuda_graphs: Optional[BucketedGraphs] = None
 
     @property
     def local_expert_range(self) -> range:
@@ -75,7 +87,87 @@ class MoELayer(nn.Module):
         self.experts = Experts(len(r), self.config.hidden_size, self.config.moe_intermediate_size,
                                gate_up_proj=gate_up_proj, down_proj=down_proj,
                                use_grouped_mm=self.experts.use_grouped_mm)
+        self.invalidate_cuda_graphs()
 
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    def host_sync_free(self, device=None) -> bool:
+        """Whether forward on `device` (default: the router weight's) never waits for the host.
+
+        True on CUDA when routing and the topology resolve to the `cute` kernels, the topology is
+        `local`, and the expert GEMMs take torch's grouped-GEMM fast path (bf16, sm_90/sm_100);
+        always True on CPU (there is no device to wait for).
+        """
+        device = torch.device(device if device is not None else self.router.weight.device)
+        if device.type == "cpu":
+            return True
+        if device.type != "cuda" or self.topology.name != "local":
+            return False
+        backends = {resolve_backend(b, device) for b in (self.router.backend, self.topology.backend)}
+        return backends == {"cute"} and self.experts.host_sync_free(device, self.config.dtype)
+
+    def enable_cuda_graphs(self, buckets: Sequence[int] = DEFAULT_BUCKETS, *, capture: bool = False,
+                           copy_output: bool = True, capture_fn: Optional[CaptureFn] = None) -> BucketedGraphs:
+        """Replay CUDA graphs for calls of 1..max(buckets) tokens (padded up to a bucket).
+
+        Graph replay is used only where it cannot differ from eager: under `torch.no_grad()` /
+        `torch.inference_mode()`, outside another stream capture, on the layer's device, and for
+        token counts within the buckets; everything else runs eagerly. Graphs are recaptured
+        after the weights move (`load_expert_weights`, a replaced parameter, `.to()`); in-place
+        weight updates are seen by the replays as they are.
+
+        Args:
+            buckets: token counts to capture (default 1, 2, 4, ..., 256).
+            capture: capture every bucket now (largest first); otherwise on first use.
+            copy_output: return fresh tensors (True) or views of the graph's output, valid until
+                the same bucket replays again (False).
+            capture_fn: a stand-in for the CUDA-graph capture (tests on CPU); needs no GPU.
+
+        Returns:
+            The BucketedGraphs (also `self.cuda_graphs`).
+
+        Raises:
+            RuntimeError: forward on the layer's device is not host-sync-free (CPU, the
+                `reference` backend on CUDA, fp16/fp32 experts, a multi-rank topology), unless
+                capture_fn is given.
+        """
+        device = self.router.weight.device
+        if capture_fn is None and (device.type != "cuda" or not self.host_sync_free(device)):
+            raise RuntimeError(
+                f"CUDA graphs need a host-sync-free forward on a CUDA device: got device {device}, "
+                f"topology {self.topology.name!r}, backend {self.router.backend!r}, dtype "
+                f"{self.config.dtype} (needs local + cute + bf16 on sm_90/sm_100)")
+        self.cuda_graphs = BucketedGraphs(
+            self._forward_tokens, hidden_size=self.config.hidden_size, dtype=self.config.dtype,
+            device=device, buckets=buckets, fingerprint=lambda: storage_fingerprint(self),
+            copy_output=copy_output, capture_fn=capture_fn)
+        if capture:
+            self.cuda_graphs.capture()
+        return self.cuda_graphs
+
+    def disable_cuda_graphs(self) -> None:
+        """Drop the graphs and run every call eagerly."""
+        self.cuda_graphs = None
+
+    def invalidate_cuda_graphs(self) -> None:
+        """Drop captured graphs; they are recaptured on the next eligible call."""
+        graphs = getattr(self, "cuda_graphs", None)
+        if graphs is not None:
+            graphs.invalidate()
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        if self.cuda_graphs is not None:  # .to() / .cuda(): new storage, maybe a new device
+            self.cuda_graphs.invalidate()
+            self.cuda_graphs.device = self.router.weight.device
+        return out
+
+    def _use_graphs(self, x: torch.Tensor) -> bool:
+        g = self.cuda_graphs
+        return (g is not None and not torch.is_grad_enabled() and x.device == g.device
+                and g.bucket_for(x.shape[0]) is not None
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+    # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         c = self.config
         if hidden_states.shape[-1] != c.hidden_size:
@@ -83,10 +175,15 @@ class MoELayer(nn.Module):
         if hidden_states.dtype != c.dtype:
             raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, c.hidden_size)
+        y = self.cuda_graphs(x) if self._use_graphs(x) else self._forward_tokens(x)
+        return y.view(hidden_states.shape)
+
+    def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""
         topk_ids, topk_weights = self.router(x)
         result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False)
         expert_y = self.experts(result.expert_x, result.expert_offsets)
         y = self.topology.combine(expert_y, result)
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
-        return y.view(hidden_states.shape)
+        return y
