@@ -1,0 +1,362 @@
+"""Engine: the driver. Starts (or joins) Ray, places one RankWorker actor per rank, sets up the
+torch.distributed rendezvous on rank 0, loads the model on every rank and runs generation.
+
+    with Engine("ckpt/", world_size=2, topology="auto") as eng:
+        result = eng.generate(["Hello"], SamplingParams(max_new_tokens=16))
+
+Failure handling: every wait on the ranks is bounded; when a rank raises, the driver raises
+RankError naming that rank (and the original error) and kills every actor and the placement
+group before returning, so nothing is left running. `shutdown()` also stops an embedded Ray.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .sampler import SamplingParams
+from .scheduler import RankOutput, assign_requests
+
+log = logging.getLogger("moe_runtime")
+
+TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
+
+
+class RankError(RuntimeError):
+    """A rank failed (raised, died or timed out). Attributes: rank, what (the phase), cause."""
+
+    def __init__(self, rank: int, what: str, cause: BaseException | str):
+        self.rank, self.what, self.cause = rank, what, cause
+        detail = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
+        super().__init__(f"rank {rank} failed during {what}: {detail}")
+
+
+@dataclass
+class Completion:
+    """One request's result: generated token ids (stop token included) and their text."""
+
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class GenerationResult:
+    """Completions in request order plus the run's topology and throughput."""
+
+    completions: list[Completion]
+    topology: str
+    topology_reason: str
+    world_size: int
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    per_rank: list[RankOutput] = field(default_factory=list, repr=False)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def choose_topology(requested: str, world_size: int, facts: Sequence[dict]) -> tuple[str, str]:
+    """(topology, one-line reason). An explicit name is checked against the world size; "auto"
+    asks moe_runtime.topologies.select (through `topology_select.select_for_ranks`).
+
+    Raises:
+        ValueError: unknown name, or "local" with more than one rank.
+    """
+    if requested not in TOPOLOGY_CHOICES:
+        raise ValueError(f"topology must be one of {TOPOLOGY_CHOICES}, got {requested!r}")
+    if requested == "local" and world_size != 1:
+        raise ValueError(f"topology 'local' needs world size 1, got {world_size}")
+    if requested != "auto":
+        return requested, f"{requested}: requested explicitly (world size {world_size})"
+    from .topology_select import select_for_ranks
+    return select_for_ranks(facts)
+
+
+class Engine:
+    """Driver of W RankWorker actors serving one checkpoint.
+
+    Args:
+        model_dir: HF-format checkpoint directory (config.json, safetensors, tokenizer).
+        world_size: number of ranks (one actor each).
+        topology: "auto", "local", "tp", "dp_nvlink" or "dp_p2p".
+        ray_address: join this Ray cluster ("auto" or host:port); None = the Ray already
+            initialized in this process, else start one embedded here (stopped by shutdown()).
+        device: "auto" (GPU ranks when the cluster has world_size GPUs, else CPU), "cpu", "cuda".
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
+        backend: kernel backend ("auto", "reference", "cute").
+        timeout_s: bound on every phase (placement, rendezvous, collectives, load, generate).
+        progress: tqdm bars while loading (shown through Ray's log forwarding).
+        ray_init_kwargs: extra ray.init arguments for the embedded start.
+
+    Raises:
+        RankError: a rank failed while starting or loading (all actors are gone afterwards).
+        TimeoutError: the cluster could not place world_size ranks within timeout_s.
+        ValueError: bad arguments.
+    """
+
+    def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
+                 ray_address: Optional[str] = None, device: str = "auto", dtype: str = "auto",
+                 backend: str = "auto", timeout_s: float = 120.0, progress: bool = True,
+                 ray_init_kwargs: Optional[dict] = None):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        if topology not in TOPOLOGY_CHOICES:
+            raise ValueError(f"topology must be one of {TOPOLOGY_CHOICES}, got {topology!r}")
+        self.model_dir, self.world_size, self.timeout_s = model_dir, world_size, timeout_s
+        self.dtype, self.backend, self.progress = dtype, backend, progress
+        self.workers: list = []
+        self.worker_pids: list[int] = []
+        self.placement_group = None
+        self.topology: Optional[str] = None
+        self.topology_reason = ""
+        self.rank_info: list[dict] = []
+        self._started_ray = False
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        try:
+            self._start_ray(ray_address, device, ray_init_kwargs or {})
+            self._start_workers()
+            facts = self._call_all("facts", "collecting rank facts")
+            self._load(*choose_topology(topology, world_size, facts))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _start_ray(self, address: Optional[str], device: str, extra: dict) -> None:
+        import ray
+        if address is not None:
+            if not ray.is_initialized():
+                ray.init(address=address, **extra)
+        elif not ray.is_initialized():
+            kw = dict(include_dashboard=False, object_store_memory=128 * 1024 ** 2,
+                      logging_level=logging.WARNING)
+            if device != "cuda":
+                import torch
+                if device == "cpu" or not torch.cuda.is_available():
+                    kw["num_cpus"] = self.world_size
+                    kw["num_gpus"] = 0
+            kw.update(extra)
+            ray.init(**kw)
+            self._started_ray = True
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if device == "cuda" and gpus < self.world_size:
+            raise ValueError(f"device 'cuda' needs {self.world_size} GPUs, the cluster has {gpus:g}")
+        self.device = "cuda" if device == "cuda" or (device == "auto" and gpus >= self.world_size) else "cpu"
+
+    def _start_workers(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .worker import RankWorker
+        bundle = {"GPU": 1} if self.device == "cuda" else {"CPU": 1}
+        self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
+                                               strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=self.timeout_s)
+        if not ready:
+            raise TimeoutError(f"could not place {self.world_size} ranks of {bundle} within "
+                               f"{self.timeout_s:g}s; cluster resources: {ray.cluster_resources()}")
+        opts = dict(num_cpus=0, num_gpus=1) if self.device == "cuda" else dict(num_cpus=1, num_gpus=0)
+        actor = ray.remote(max_restarts=0, max_task_retries=0, **opts)(RankWorker)
+        self.workers = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group, placement_group_bundle_index=r)).remote(
+            r, self.world_size, self.device) for r in range(self.world_size)]
+        self.worker_pids = self._call_all("pid", "starting rank actors")
+        addr, port = self._call_all("rendezvous_address", "rendezvous", ranks=[0])[0]
+        self._call_all("init_distributed", "torch.distributed rendezvous", addr, port, self.timeout_s)
+
+    def load(self, topology: str) -> None:
+        """(Re)load the model on every rank for an explicit `topology` (same actors and process
+        group), e.g. to compare topologies without restarting the ranks.
+
+        Raises:
+            ValueError: "auto", "local" with world size > 1, or an unknown name.
+            RankError: a rank failed (all actors are gone afterwards).
+        """
+        if topology == "auto":
+            raise ValueError("load() needs an explicit topology name")
+        name, reason = choose_topology(topology, self.world_size, [])
+        self._load(name, reason)
+
+    def _load(self, name: str, reason: str) -> None:
+        self.topology = None
+        self.rank_info = self._call_all("load", f"loading {self.model_dir} ({name})", self.model_dir,
+                                        name, self.dtype, self.backend, self.progress)
+        self.topology, self.topology_reason = name, reason
+
+    # -- waiting on ranks -----------------------------------------------------------------------
+    def _call_all(self, method: str, what: str, *args, ranks: Optional[Sequence[int]] = None,
+                  per_rank_args: Optional[Sequence[tuple]] = None, **kwargs) -> list:
+        """Call `method` on the ranks, wait for all with the bound, return results in rank order.
+
+        On the first failure: pick the root cause (an error that is not a peer's collective
+        failure, when one arrives within a short grace period), kill everything, raise RankError.
+        """
+        import ray
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        refs = {}
+        for i, r in enumerate(ranks):
+            a = per_rank_args[i] if per_rank_args is not None else args
+            refs[getattr(self.workers[r], method).remote(*a, **kwargs)] = r
+        results: dict[int, object] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while refs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stuck = sorted(refs.values())
+                self._kill_workers()
+                raise RankError(stuck[0], what, f"TimeoutError: ranks {stuck} did not finish within "
+                                f"{self.timeout_s:g}s")
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=min(left, 1.0))
+            for ref in ready:
+                r = refs.pop(ref)
+                try:
+                    results[r] = ray.get(ref)
+                except Exception as e:  # RayTaskError (the rank raised) or RayActorError (died)
+                    raise self._fail(r, what, e, refs) from None
+        return [results[r] for r in ranks]
+
+    def _fail(self, rank: int, what: str, err: Exception, pending: dict) -> RankError:
+        """Choose the root failure among the ranks, kill the actors, build the RankError."""
+        import ray
+
+        from ..comm import CollectiveError
+        failures = [(rank, _cause(err))]
+        grace = time.monotonic() + 2.0
+        while pending and isinstance(failures[0][1], CollectiveError) and time.monotonic() < grace:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    failures.append((r, _cause(e)))
+            failures.sort(key=lambda f: isinstance(f[1], CollectiveError))
+        self._kill_workers()
+        r, cause = failures[0]
+        error = RankError(r, what, cause)
+        if isinstance(cause, BaseException):
+            error.__cause__ = cause
+        return error
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str], params: SamplingParams = SamplingParams(), *,
+                 fail_at_step: Optional[dict[int, int]] = None) -> GenerationResult:
+        """Generate a completion for every prompt.
+
+        Args:
+            prompts: texts (tokenized with the checkpoint's tokenizer, no special tokens added
+                beyond what the tokenizer adds by default).
+            params: SamplingParams.
+            fail_at_step: testing aid, {rank: decode step}: that rank raises at that step.
+
+        Returns:
+            GenerationResult (completions in prompt order).
+
+        Raises:
+            RankError: a rank failed (all actors are gone afterwards; the engine is unusable).
+            ValueError: an empty prompt, or prompt + max_new_tokens over max_position_embeddings.
+        """
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        return self.generate_ids(ids, params, prompts=prompts, fail_at_step=fail_at_step)
+
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+                     *, prompts: Optional[Sequence[str]] = None,
+                     fail_at_step: Optional[dict[int, int]] = None) -> GenerationResult:
+        """Like generate() with token ids; `prompts` only labels the completions."""
+        if not self.workers:
+            raise RuntimeError("the engine is shut down")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt must have at least one token")
+        limit = self._max_positions()
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if longest + params.max_new_tokens > limit:
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds max_position_embeddings ({limit})")
+        stop = params.stop_token_ids
+        if stop is None:
+            stop = set(self.rank_info[0]["eos_token_ids"])
+            if self.tokenizer.eos_token_id is not None:
+                stop.add(int(self.tokenizer.eos_token_id))
+        dp = self.topology.startswith("dp_")
+        owners = assign_requests([len(p) for p in prompt_ids], self.world_size, dp)
+        per_rank = [([list(prompt_ids[i]) for i in own], own, params, sorted(stop),
+                     (fail_at_step or {}).get(r)) for r, own in enumerate(owners)]
+        outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank)
+        by_request: dict[int, tuple[list[int], str]] = {}
+        for o in (outs if dp else outs[:1]):
+            for i, toks, why in zip(o.request_ids, o.token_ids, o.finish_reasons):
+                by_request[i] = (toks, why)
+        labels = list(prompts) if prompts is not None else [self.tokenizer.decode(p) for p in prompt_ids]
+        completions = [Completion(labels[i], self.tokenizer.decode(by_request[i][0], skip_special_tokens=True),
+                                  by_request[i][0], by_request[i][1]) for i in range(len(prompt_ids))]
+        counted = outs if dp else outs[:1]
+        return GenerationResult(
+            completions, self.topology, self.topology_reason, self.world_size,
+            prefill_tokens=sum(o.prefill_tokens for o in counted),
+            prefill_s=max(o.prefill_s for o in outs), decode_tokens=sum(o.decode_tokens for o in counted),
+            decode_s=max(o.decode_s for o in outs), per_rank=outs)
+
+    def _max_positions(self) -> int:
+        from ..models import read_spec
+        if not hasattr(self, "_max_pos"):
+            self._max_pos = read_spec(self.model_dir)[0].max_position_embeddings
+        return self._max_pos
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def _kill_workers(self) -> None:
+        import ray
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.workers = []
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
+            self.placement_group = None
+
+    def shutdown(self) -> None:
+        """Leave the process group on every rank (best effort, bounded), kill the actors, remove
+        the placement group, and stop Ray if this engine started it. Idempotent."""
+        import ray
+        if self.workers and ray.is_initialized():
+            try:
+                ray.wait([w.shutdown.remote() for w in self.workers],
+                         num_returns=len(self.workers), timeout=10)
+            except Exception:
+                pass
+        if ray.is_initialized():
+            self._kill_workers()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+        self._started_ray = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _cause(err: Exception) -> BaseException:
+    """The rank's own exception inside a RayTaskError (else the Ray error itself)."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err

@@ -1,0 +1,74 @@
+"""Sampling: greedy, or temperature + top-p (nucleus) with one seeded generator per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        max_new_tokens: generate at most this many tokens per request (>= 1).
+        temperature: 0 = greedy (argmax); > 0 divides the logits before the softmax.
+        top_p: keep the smallest set of most likely tokens whose mass reaches top_p (0 < p <= 1).
+        seed: request i draws from a torch.Generator seeded with (seed, i), so a completion does
+            not depend on the batch, the world size or the topology.
+        stop_token_ids: stop a request when it samples one of these (included in its output);
+            None = the model's EOS ids.
+
+    Raises:
+        ValueError: out-of-range values.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+def request_generators(seed: int, request_ids: Sequence[int]) -> list[torch.Generator]:
+    """One CPU generator per request, seeded from (seed, global request index)."""
+    gens = []
+    for i in request_ids:
+        g = torch.Generator()
+        g.manual_seed((int(seed) * 1_000_003 + int(i)) % (2 ** 63))
+        gens.append(g)
+    return gens
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Pick one token per row.
+
+    Args:
+        logits: fp32 [B, V].
+        params: temperature / top_p (greedy when temperature == 0).
+        generators: B CPU generators (used only when sampling).
+
+    Returns:
+        int64 [B] token ids on the CPU.
+    """
+    logits = logits.float().cpu()
+    if params.temperature == 0 or logits.shape[0] == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p          # mass of the more likely tokens
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])

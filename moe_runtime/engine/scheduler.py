@@ -1,0 +1,143 @@
+"""Request placement across ranks and the lockstep prefill/decode loop every rank runs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .kv_cache import KVCache
+from .sampler import SamplingParams, request_generators, sample
+
+
+def assign_requests(prompt_lengths: Sequence[int], world_size: int, data_parallel: bool) -> list[list[int]]:
+    """Which requests each rank runs.
+
+    dp_* (data_parallel): each request goes to exactly one rank, longest first to the rank with
+    the fewest prompt tokens so far (ties: lower rank). Otherwise (local, tp) every rank runs
+    every request. Returns world_size lists of request indices, each in increasing order.
+    """
+    n = len(prompt_lengths)
+    if not data_parallel:
+        return [list(range(n)) for _ in range(world_size)]
+    load = [0] * world_size
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(n), key=lambda i: (-prompt_lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        out[r].append(i)
+        load[r] += prompt_lengths[i]
+    return [sorted(o) for o in out]
+
+
+@dataclass
+class RankOutput:
+    """What one rank returns: generated ids per request (stop token included) and timings."""
+
+    request_ids: list[int]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _any_active_anywhere(active: torch.Tensor, parallel) -> bool:
+    """Under dp_* with several ranks: whether any rank still has an active request (a SUM
+    all-reduce, so every rank takes the same number of steps)."""
+    flag = torch.tensor([int(bool(active.any()))], dtype=torch.int64)
+    if parallel.data_parallel and parallel.world_size > 1:
+        from ..comm import all_reduce_sum
+        all_reduce_sum(flag, group=parallel.group, step="decode: any request active",
+                       timeout_s=parallel.timeout_s)
+    return bool(flag.item())
+
+
+def _from_rank0(tokens: torch.Tensor, parallel) -> torch.Tensor:
+    """Under tp with several ranks: every rank takes rank 0's sampled tokens (SUM all-reduce of
+    rank 0's ids and zeros elsewhere), so replicated ranks never diverge."""
+    if not parallel.tensor_parallel:
+        return tokens
+    from ..comm import all_reduce_sum
+    t = tokens.clone() if parallel.rank == 0 else torch.zeros_like(tokens)
+    return all_reduce_sum(t, group=parallel.group, step="decode: tokens from rank 0",
+                          timeout_s=parallel.timeout_s)
+
+
+def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[int],
+                 params: SamplingParams, stop_ids: Sequence[int], *,
+                 fail_at_step: Optional[int] = None) -> RankOutput:
+    """Prefill, then decode in lockstep with the other ranks, on this rank's requests.
+
+    Args:
+        model: a MoECausalLM (its `parallel` says tp / dp / local).
+        prompts: token ids per request (each non-empty); may be empty on a dp rank.
+        request_ids: global indices of these requests (seed the samplers).
+        params: SamplingParams.
+        stop_ids: token ids that finish a request.
+        fail_at_step: testing aid: raise RuntimeError at this decode step (fault tests).
+
+    Returns:
+        RankOutput. finish_reasons: "stop" (a stop token) or "length" (max_new_tokens).
+
+    Raises:
+        ValueError: an empty prompt. CollectiveError: a peer failed or stalled.
+    """
+    dev = model.device
+    spec = model.spec
+    B = len(prompts)
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must have at least one token")
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    L = int(lens.max()) if B else 1
+    ids = torch.zeros(B, L, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
+    positions = torch.arange(L).expand(B, L).contiguous()
+    valid = positions < lens[:, None]
+    cache = KVCache(spec.num_layers, B, model.shard.kv_heads, L + params.max_new_tokens,
+                    spec.head_dim, dtype=spec.dtype, device=dev)
+    gens = request_generators(params.seed, request_ids) if params.temperature > 0 else []
+    stop = set(int(s) for s in stop_ids)
+    out = RankOutput(list(request_ids), [[] for _ in range(B)], ["length"] * B,
+                     prefill_tokens=int(lens.sum()))
+
+    _sync(dev)
+    t0 = time.perf_counter()
+    logits = model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev), cache)
+    _sync(dev)
+    out.prefill_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    active = torch.ones(B, dtype=torch.bool)
+    lengths = lens.clone()
+    zeros = torch.zeros(B, dtype=torch.int64, device=dev)
+    for step in range(params.max_new_tokens):
+        tokens = _from_rank0(sample(logits, params, gens), model.parallel)
+        for b in active.nonzero().flatten().tolist():
+            t = int(tokens[b])
+            out.token_ids[b].append(t)
+            if t in stop:
+                active[b], out.finish_reasons[b] = False, "stop"
+            elif len(out.token_ids[b]) >= params.max_new_tokens:
+                active[b] = False
+        if not _any_active_anywhere(active, model.parallel):
+            break
+        if fail_at_step is not None and step == fail_at_step:
+            raise RuntimeError(f"injected fault at decode step {step}")
+        logits = model(tokens[:, None].to(dev), lengths[:, None].to(dev), active[:, None].to(dev),
+                       zeros, cache)
+        lengths += active.to(torch.int64)
+        out.steps += 1
+    _sync(dev)
+    out.decode_s = time.perf_counter() - t0
+    out.decode_tokens = sum(max(len(t) - 1, 0) for t in out.token_ids)
+    return out
