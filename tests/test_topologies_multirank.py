@@ -227,6 +227,10 @@ def test_matches_local(pools, world, topo_name, case_name):
             assert torch.equal(y, y_ref)
         else:
             torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+        if topo_name == "tp" and case["dtype"] != torch.float32 and case["experts"] != "swiglu":
+            # fp32 all-reduce, one rounding: only the fp32 summation order differs from local,
+            # so almost every element is bit-identical (a bf16 all-reduce misses this badly)
+            assert (y != y_ref).float().mean() <= 0.01, (y != y_ref).float().mean()
 
 
 @pytest.mark.parametrize("topo_name", TOPOS)
