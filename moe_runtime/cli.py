@@ -1,0 +1,156 @@
+"""`moe-runtime` command line: make-checkpoint, generate, demo.
+
+    moe-runtime make-checkpoint --arch qwen3-moe --preset tiny OUT_DIR
+    moe-runtime generate --model DIR --prompt "Hello" --world-size 2 --topology auto
+    moe-runtime demo            # tiny Qwen3-MoE checkpoint (made once, cached), 2 CPU ranks
+
+Ctrl-C (SIGINT) stops generation, kills the rank actors and stops an embedded Ray: no Ray
+processes are left behind. Exit codes: 0 ok, 1 error, 2 usage, 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Optional, Sequence
+
+DEMO_PROMPTS = ("A mixture of experts model", "The quick brown fox",
+                "Expert parallelism places different experts on different ranks, so")
+
+
+def _add_make_checkpoint(sub) -> None:
+    from .models.make_checkpoint import ARCH_NAMES, PRESETS
+    p = sub.add_parser("make-checkpoint", help="write a random-weight HF checkpoint + tokenizer")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", choices=sorted(ARCH_NAMES), default="qwen3-moe")
+    p.add_argument("--preset", choices=PRESETS, default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--max-shard-size", default=None, help='e.g. "200KB": sharded safetensors + index')
+    p.add_argument("--force", action="store_true",
+                   help="qwen3-30b-a3b: also write the ~61 GB of random weights (default: config + tokenizer only)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by generate and demo (and the deploy job entry)."""
+    from .engine.driver import TOPOLOGY_CHOICES
+    p.add_argument("--world-size", type=int, default=None, help="ranks, one Ray actor each")
+    p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-address", default=None,
+                   help='join this Ray cluster ("auto" or host:port); default: start Ray embedded')
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--timeout", type=float, default=300.0, help="bound on each phase, seconds")
+    p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions with one Ray actor per rank")
+    p.add_argument("--model", required=True, help="HF-format checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    src.add_argument("--prompts-file", help="one prompt per line")
+    add_engine_args(p)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="tiny Qwen3-MoE checkpoint (cached), 2 CPU ranks, embedded Ray")
+    add_engine_args(p)
+    p.set_defaults(world_size=2, max_new_tokens=16, device="cpu", no_progress=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-runtime", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_checkpoint(sub)
+    _add_generate(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    with open(args.prompts_file) as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError(f"{args.prompts_file}: no prompts")
+    return prompts
+
+
+def print_result(result, out=sys.stdout) -> None:
+    """Print the topology line, each completion and the throughput line."""
+    print(f"topology: {result.topology} (world size {result.world_size}) -- {result.topology_reason}",
+          file=out)
+    for i, c in enumerate(result.completions):
+        print(f"[{i}] prompt: {c.prompt!r}", file=out)
+        print(f"[{i}] completion: {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})", file=out)
+    print(f"prefill: {result.prefill_tokens} tokens in {result.prefill_s:.3f}s = "
+          f"{result.prefill_tokens_per_s:.1f} tok/s; decode: {result.decode_tokens} tokens in "
+          f"{result.decode_s:.3f}s = {result.decode_tokens_per_s:.1f} tok/s", file=out)
+    out.flush()
+
+
+def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
+    """Start the engine, generate, print; always shut down (Ctrl-C included)."""
+    from .engine import Engine, SamplingParams
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    engine = None
+    try:
+        engine = Engine(model_dir, world_size=args.world_size or 1, topology=args.topology,
+                        ray_address=args.ray_address, device=args.device, dtype=args.dtype,
+                        timeout_s=args.timeout, progress=not args.no_progress)
+        print(f"loaded {model_dir} on {engine.world_size} {engine.device} rank(s)", flush=True)
+        print_result(engine.generate(prompts, params))
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted: shutting down the ranks", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up
+        if engine is not None:
+            engine.shutdown()
+        _stop_ray()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _stop_ray() -> None:
+    """Stop (embedded) or disconnect from (joined) Ray, even when the engine never finished
+    starting (Ctrl-C inside ray.init)."""
+    if "ray" in sys.modules:
+        import ray
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "make-checkpoint":
+            from .models.make_checkpoint import make_checkpoint
+            make_checkpoint(args.out_dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype,
+                            max_shard_size=args.max_shard_size, force=args.force)
+            what = "config + tokenizer only (use --force for weights)" if (
+                args.preset == "qwen3-30b-a3b" and not args.force) else "weights + tokenizer"
+            print(f"wrote {args.arch} {args.preset} checkpoint ({what}) to {args.out_dir}")
+            return 0
+        if args.command == "generate":
+            return run_generate(args.model, _read_prompts(args), args)
+        from .models.make_checkpoint import cached_checkpoint
+        path = cached_checkpoint("qwen3-moe", "tiny")
+        print(f"demo checkpoint: {path}", flush=True)
+        return run_generate(path, list(DEMO_PROMPTS), args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        print(f"moe-runtime: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
