@@ -1,0 +1,385 @@
+"""Peer buffer tables for the multi-rank CuTeDSL kernels (dp_nvlink all-to-all, tp all-reduce).
+
+Every rank owns two byte heaps:
+  * a **peer heap** that other ranks read and write over NVLink (receive rows, flags, signal
+    pads, all-reduce inputs): symmetric, i.e. the same layout on every rank;
+  * a **local heap** only its own kernels touch (slot maps, counters, expert-major output).
+The kernels never see torch tensors for these: they get one int64 device table
+`table[field, rank]` = address of `field` in `rank`'s heap (FIELDS below), so the same device
+code runs across GPUs (peer addresses from symmetric memory or CUDA IPC) and on one GPU with W
+**virtual ranks** (W heaps in one process, blocks of one launch split among ranks).
+
+Modes (PeerBuffers.mode):
+    "virtual"   PeerBuffers.virtual(spec, device): W ranks' heaps on one GPU, all local
+                (n_local = W, rank0 = 0). Used by tests and benchmarks on one GPU.
+    "symm_mem"  PeerBuffers.from_process_group(spec, group): the peer heap comes from
+                torch symmetric memory (`symm_mem.empty` + `rendezvous`; handle.buffer_ptrs).
+    "ipc"       same, peer heap exchanged as CUDA IPC handles over the group (all_gather_object).
+                Real modes have n_local = 1, rank0 = the group rank.
+    Real modes are written to the torch API but NOT run yet (one GPU here); see the report of
+    issue 5.
+
+Sizing: everything is sized from `PeerSpec.max_tokens_per_rank` (T_max); a call with more
+tokens on any rank raises ValueError naming the limit before anything is launched
+(`check_tokens`). Capacity per rank: staging S = T_max * min(k, E_local) rows per source,
+expert-major output W * S + E_local * (align - 1) rows (every token of every rank may pick
+this rank).
+
+Flags never go stale: every flag is written with the call's epoch (1, 2, 3, ... wrapping in
+int32) and waited on with a wrap-safe `>=`, so consecutive calls reuse buffers without a
+memset. Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device waits
+that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase. After
+an error the buffers are in an unknown state: `reset()` (a memset, host-synchronous) is needed.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+# ---- table fields: (name, peer-visible, element dtype); shapes come from PeerSpec.shapes() ----
+F_RECV_X = 0        # [W, S, H] x.dtype        rows sent to this rank, per source region
+F_RECV_META = 1     # [W, S, 2] int32          (local expert, source item t*k+j) per row
+F_INBOX_CNT = 2     # [2?, W, E_local] int32   per-source counts of rows per local expert
+F_INBOX_FLAG = 3    # [W] int32                epoch: counts from that source are written
+F_CHUNK_FLAG = 4    # [W, S] int32             epoch per staging chunk of each source region
+F_ACK = 5           # [W] int32                dest r started call e => done with e-1 inbox
+F_RET_X = 6         # [T_max * k, H] x.dtype   combine: expert outputs coming back, item order
+F_RET_FLAG = 7      # [W, S] int32             epoch per returned chunk, per dest rank
+F_AR_IN = 8         # [T_max, H] x.dtype       all-reduce input (partial sums of this rank)
+F_AR_MID = 9        # [T_max, H] x.dtype       two-shot: reduce-scattered slice of this rank
+F_SIG = 10          # [MAX_CTAS, W] int32      cross-rank per-CTA barrier signal pad
+F_CNT = 11          # [E] int32      (local)   send counters per global expert, 0 between calls
+F_STAGE = 12        # [T_max * k] int32        item -> slot, then staging index at its dest
+F_INV = 13          # [W, S] int32             staging (dest, i) -> item t*k+j
+F_NSEND = 14        # [W] int32                rows sent to each dest this call
+F_POS = 15          # [W, S] int32             staging (src, i) -> expert-major row
+F_NRECV = 16        # [W] int32                rows received from each source this call
+F_XOUT = 17         # [XCAP, H] x.dtype        expert_x: rows in expert-major order
+F_OFFS = 18         # [E_local + 1] int32      expert_offsets
+F_BAR = 19          # [4] int32                rank-local grid barrier word (+ spare)
+F_ERR = 20          # [4] int32                [phase, peer, expected, seen] of the first timeout
+NUM_FIELDS = 21
+
+FIELD_NAMES = ("recv_x", "recv_meta", "inbox_cnt", "inbox_flag", "chunk_flag", "ack", "ret_x",
+               "ret_flag", "ar_in", "ar_mid", "sig", "cnt", "stage", "inv", "nsend", "pos",
+               "nrecv", "xout", "offs", "bar", "err")
+PEER_FIELDS = frozenset(range(F_RECV_X, F_SIG + 1))
+
+MAX_CTAS_PER_RANK = 1024   # rows of the signal pad: the most CTAs per rank a barrier kernel may use
+HEAP_ALIGN = 256
+
+# Phase codes the kernels write into err[0]; names used in the exception.
+PHASES = {
+    1: "dispatch: local grid barrier after counting",
+    2: "dispatch: waiting for the destination's ack of the previous call",
+    3: "dispatch: local grid barrier after publishing counts",
+    4: "dispatch: waiting for the per-source row counts",
+    5: "dispatch: waiting for rows (release flags) from the source",
+    6: "combine: waiting for returned expert rows (release flags) from the expert owner",
+    7: "all-reduce: cross-rank barrier before reading peers' inputs",
+    8: "all-reduce: cross-rank barrier after the reduce-scatter",
+    9: "all-reduce: cross-rank barrier before returning (peers done reading)",
+}
+
+_NVLS_OFF_VARS = (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                  ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
+
+
+class PeerTimeoutError(RuntimeError):
+    """A bounded device-side wait gave up. `errors` holds one dict per failing rank:
+    {rank, phase, phase_name, peer, expected, seen}."""
+
+    def __init__(self, what: str, errors: list[dict]):
+        self.errors = errors
+        lines = [f"rank {e['rank']}: timed out in {e['phase_name']!r} (phase {e['phase']})"
+                 + (f" waiting for rank {e['peer']}" if e["peer"] >= 0 else "")
+                 + f", expected epoch/flag >= {e['expected']}, saw {e['seen']}" for e in errors]
+        super().__init__(f"{what}: device wait timed out on {len(errors)} rank(s); buffers must "
+                         "be reset() before reuse:\n  " + "\n  ".join(lines))
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """What the buffers are sized for. All ranks must use equal specs.
+
+    Args:
+        world_size: W ranks (virtual or real), >= 1.
+        max_tokens_per_rank: T_max, the most tokens any rank passes in one call (>= 1).
+        hidden: H; H * element bytes must be a multiple of 16.
+        top_k: k.
+        num_experts: E, divisible by W (rank r owns experts [r*E/W, (r+1)*E/W)).
+        dtype: row dtype (torch.bfloat16 or torch.float16).
+        align: per-expert row alignment of expert_x (>= 1).
+    """
+
+    world_size: int
+    max_tokens_per_rank: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    dtype: torch.dtype = torch.bfloat16
+    align: int = 1
+
+    def __post_init__(self):
+        if self.world_size < 1 or self.max_tokens_per_rank < 1 or self.top_k < 1 or self.align < 1:
+            raise ValueError(f"world_size, max_tokens_per_rank, top_k, align must be >= 1: {self}")
+        if self.num_experts % self.world_size:
+            raise ValueError(f"num_experts={self.num_experts} must be divisible by "
+                             f"world_size={self.world_size}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} > num_experts={self.num_experts}")
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {self.dtype}")
+        if (self.hidden * self.elem_bytes) % 16:
+            raise ValueError(f"hidden={self.hidden}: rows must be a multiple of 16 bytes")
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def stage_rows(self) -> int:
+        """S: rows one source can send one destination in a call (distinct experts per token)."""
+        return self.max_tokens_per_rank * min(self.top_k, self.num_local_experts)
+
+    @property
+    def xout_rows(self) -> int:
+        """Rows of expert_x: every source's S rows plus the worst-case alignment padding."""
+        return self.world_size * self.stage_rows + self.num_local_experts * (self.align - 1)
+
+    def shapes(self) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        W, S, H, T, k = self.world_size, self.stage_rows, self.hidden, self.max_tokens_per_rank, self.top_k
+        E, El, i32, dt = self.num_experts, self.num_local_experts, torch.int32, self.dtype
+        return {
+            F_RECV_X: ((W, S, H), dt), F_RECV_META: ((W, S, 2), i32), F_INBOX_CNT: ((W, El), i32),
+            F_INBOX_FLAG: ((W,), i32), F_CHUNK_FLAG: ((W, S), i32), F_ACK: ((W,), i32),
+            F_RET_X: ((T * k, H), dt), F_RET_FLAG: ((W, S), i32), F_AR_IN: ((T, H), dt),
+            F_AR_MID: ((T, H), dt), F_SIG: ((MAX_CTAS_PER_RANK, W), i32), F_CNT: ((E,), i32),
+            F_STAGE: ((T * k,), i32), F_INV: ((W, S), i32), F_NSEND: ((W,), i32),
+            F_POS: ((W, S), i32), F_NRECV: ((W,), i32), F_XOUT: ((self.xout_rows, H), dt),
+            F_OFFS: ((El + 1,), i32), F_BAR: ((4,), i32), F_ERR: ((4,), i32),
+        }
+
+
+@dataclass
+class HeapLayout:
+    """Byte offsets of the fields inside the peer and the local heap (HEAP_ALIGN-aligned)."""
+
+    offsets: dict[int, int]
+    peer_bytes: int
+    local_bytes: int
+    shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = field(repr=False)
+
+    @classmethod
+    def of(cls, spec: PeerSpec) -> "HeapLayout":
+        shapes = spec.shapes()
+        offsets, size = {}, {True: 0, False: 0}
+        for f in range(NUM_FIELDS):
+            shape, dt = shapes[f]
+            peer = f in PEER_FIELDS
+            offsets[f] = size[peer]
+            nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            size[peer] += (nbytes + HEAP_ALIGN - 1) // HEAP_ALIGN * HEAP_ALIGN
+        return cls(offsets, size[True], size[False], shapes)
+
+
+def nvls_allowed(device: torch.device | int | None = None) -> tuple[bool, str]:
+    """May NVLS (multicast, multimem.*) be used? Needs the device's multicast attribute and none
+    of NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+
+    The variables are checked first, so with any of them set the device is never queried.
+    Returns (allowed, one-line reason).
+    """
+    for var, off in _NVLS_OFF_VARS:
+        if os.environ.get(var) == off:
+            return False, f"{var}={off} is set"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    try:
+        from cuda.bindings import driver as cu
+        dev = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+        err, ok = cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev)
+        if int(err) != 0:
+            return False, f"cuDeviceGetAttribute(MULTICAST_SUPPORTED) failed: {err}"
+        return (bool(ok), "device reports multicast support" if ok else
+                "device does not report multicast support")
+    except Exception as ex:  # cuda-python missing or too old
+        return False, f"cannot query multicast support: {ex}"
+
+
+class PeerBuffers:
+    """Heaps of the ranks this process drives, plus the int64 address table the kernels read.
+
+    Attributes:
+        spec: PeerSpec. layout: HeapLayout.
+        mode: "virtual" | "symm_mem" | "ipc".
+        rank0: first rank driven by this process; n_local: ranks driven (W virtual, 1 real).
+        table: int64 [NUM_FIELDS, W] on the device; table[f, r] = address of field f of rank r
+            (0 for local fields of ranks another process drives).
+        epoch: epoch of the last dispatch (0 = none yet); sig_epoch: last barrier epoch used.
+    """
+
+    def __init__(self, spec: PeerSpec, device: torch.device, mode: str, rank0: int,
+                 peer_heaps: Sequence[torch.Tensor], local_heaps: Sequence[torch.Tensor],
+                 peer_addrs: Sequence[int], keepalive=(), group=None):
+        self.group = group
+        self.spec, self.device, self.mode = spec, torch.device(device), mode
+        self.rank0, self.n_local = rank0, len(local_heaps)
+        self.layout = HeapLayout.of(spec)
+        self.peer_heaps, self.local_heaps = list(peer_heaps), list(local_heaps)
+        self._keepalive = keepalive
+        W = spec.world_size
+        tab = torch.zeros(NUM_FIELDS, W, dtype=torch.int64)
+        for f in range(NUM_FIELDS):
+            for r in range(W):
+                if f in PEER_FIELDS:
+                    tab[f, r] = peer_addrs[r] + self.layout.offsets[f]
+                elif rank0 <= r < rank0 + self.n_local:
+                    tab[f, r] = self.local_heaps[r - rank0].data_ptr() + self.layout.offsets[f]
+        self.table = tab.to(self.device)
+        self.epoch = 0
+        self.sig_epoch = 0
+        self.broken: str | None = None
+        self._last_dispatch = None
+        self.reset()
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def virtual(cls, spec: PeerSpec, device="cuda") -> "PeerBuffers":
+        """W virtual ranks on one device: every heap is a row of one allocation per kind."""
+        lay = HeapLayout.of(spec)
+        W = spec.world_size
+        peer = torch.empty(W, lay.peer_bytes, dtype=torch.uint8, device=device)
+        local = torch.empty(W, lay.local_bytes, dtype=torch.uint8, device=device)
+        return cls(spec, device, "virtual", 0, list(peer), list(local),
+                   [p.data_ptr() for p in peer], keepalive=(peer, local))
+
+    @classmethod
+    def from_process_group(cls, spec: PeerSpec, group=None, device=None,
+                           transport: str = "auto") -> "PeerBuffers":
+        """One rank per process over `group` (NOT run yet: needs >= 2 GPUs with P2P).
+
+        transport: "symm_mem" (torch symmetric memory rendezvous), "ipc" (CUDA IPC handles via
+        all_gather_object) or "auto" (symm_mem, falling back to ipc when it fails).
+        Raises ValueError when group size != spec.world_size.
+        """
+        import torch.distributed as dist
+        rank, W = dist.get_rank(group), dist.get_world_size(group)
+        if W != spec.world_size:
+            raise ValueError(f"group has {W} ranks, spec.world_size={spec.world_size}")
+        device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
+        lay = HeapLayout.of(spec)
+        local = torch.empty(lay.local_bytes, dtype=torch.uint8, device=device)
+        if transport in ("symm_mem", "auto"):
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
+                peer = symm_mem.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
+                hdl = symm_mem.rendezvous(peer, group if group is not None else dist.group.WORLD)
+                addrs = list(hdl.buffer_ptrs)
+                return cls(spec, device, "symm_mem", rank, [peer], [local], addrs, (peer, hdl),
+                           group=group if group is not None else dist.group.WORLD)
+            except Exception:
+                if transport == "symm_mem":
+                    raise
+        from torch.multiprocessing.reductions import reduce_tensor
+        peer = torch.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
+        handles = [None] * W
+        dist.all_gather_object(handles, reduce_tensor(peer), group=group)
+        mapped = [peer if r == rank else fn(*args) for r, (fn, args) in enumerate(handles)]
+        return cls(spec, device, "ipc", rank, [peer], [local], [m.data_ptr() for m in mapped],
+                   (peer, mapped), group=group if group is not None else dist.group.WORLD)
+
+    # ---- views -----------------------------------------------------------------------------
+    def view(self, f: int, local_rank: int = 0) -> torch.Tensor:
+        """Typed view of field f of local rank `local_rank` (0 <= local_rank < n_local)."""
+        heap = (self.peer_heaps if f in PEER_FIELDS else self.local_heaps)[local_rank]
+        shape, dt = self.layout.shapes[f]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        off = self.layout.offsets[f]
+        return heap[off:off + nbytes].view(dt).view(shape)
+
+    def expert_x(self, local_rank: int = 0) -> torch.Tensor:
+        """[xout_rows, H] expert-major rows of the last dispatch (valid until the next one)."""
+        return self.view(F_XOUT, local_rank)
+
+    def expert_offsets(self, local_rank: int = 0) -> torch.Tensor:
+        """int32 [E_local + 1] offsets of the last dispatch (a view; clone to keep)."""
+        return self.view(F_OFFS, local_rank)
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_tokens(self, tokens_per_rank: Sequence[int]) -> None:
+        """Raise ValueError naming max_tokens_per_rank when a rank passes more tokens."""
+        if len(tokens_per_rank) != self.n_local:
+            raise ValueError(f"expected token counts for {self.n_local} local rank(s), got "
+                             f"{len(tokens_per_rank)}")
+        T = self.spec.max_tokens_per_rank
+        for i, t in enumerate(tokens_per_rank):
+            if t < 0 or t > T:
+                raise ValueError(f"rank {self.rank0 + i} passes {t} tokens; the peer buffers were "
+                                 f"sized for max_tokens_per_rank={T} (0 <= T <= {T})")
+
+    def check_usable(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"peer buffers unusable after an error ({self.broken}); call reset()")
+
+    def next_epoch(self) -> int:
+        """Epoch of the next dispatch/combine pair: 1, 2, ... wrapping inside int32 (never 0)."""
+        self.epoch = self.epoch % 0x7FFFFFFF + 1
+        return self.epoch
+
+    def take_sig_epochs(self, n: int) -> int:
+        """Reserve n consecutive barrier epochs; returns the first (wrap-safe on the device)."""
+        first = self.sig_epoch + 1
+        self.sig_epoch += n
+        if self.sig_epoch >= 0x7FFFFFF0:  # keep the int32 kernel argument in range
+            self.sig_epoch -= 0x7FFFFFF0
+            first = self.sig_epoch - n + 1
+        return ((first + 0x80000000) % 0x100000000) - 0x80000000
+
+    def errors(self) -> list[dict]:
+        """Error words of the local ranks (host-synchronous read)."""
+        errs = torch.stack([self.view(F_ERR, i) for i in range(self.n_local)]).cpu().tolist()
+        out = []
+        for i, (ph, peer, exp, seen) in enumerate(errs):
+            if ph:
+                out.append({"rank": self.rank0 + i, "phase": ph,
+                            "phase_name": PHASES.get(ph, "unknown phase"), "peer": peer,
+                            "expected": exp, "seen": seen})
+        return out
+
+    def check_errors(self, what: str) -> None:
+        """Raise PeerTimeoutError (and mark the buffers broken) if any local rank timed out."""
+        errs = self.errors()
+        if errs:
+            self.broken = f"{what}: timeout on rank(s) {[e['rank'] for e in errs]}"
+            raise PeerTimeoutError(what, errs)
+
+    def reset(self) -> None:
+        """Zero every heap and restart epochs (host-synchronous; all ranks must reset together)."""
+        for h in self.peer_heaps + self.local_heaps:
+            h.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.group is not None:  # no peer may write into a heap before its owner zeroed it
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
+        self.epoch = 0
+        self.sig_epoch = 0
+        self.broken = None
+        self._last_dispatch = None
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"PeerBuffers({self.mode}, ranks {self.rank0}..{self.rank0 + self.n_local - 1} of "
+                f"{s.world_size}, T_max={s.max_tokens_per_rank}, H={s.hidden}, k={s.top_k}, "
+                f"E={s.num_experts}, peer heap {self.layout.peer_bytes / 2**20:.1f} MiB, local "
+                f"heap {self.layout.local_bytes / 2**20:.1f} MiB per rank)")

@@ -1,0 +1,258 @@
+"""tp all-reduce (the `cute` backend) over peer buffers: one-shot, two-shot, and the decode
+fusion of the local combine with the one-shot.
+
+Inputs live in every rank's peer-visible F_AR_IN ([T_max, H], the buffers' dtype); outputs in a
+caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once.
+
+  one-shot  barrier(e) -> each rank reads all W inputs, sums, writes its out -> barrier(e+1).
+            W-1 remote reads of the whole tensor per rank: best for small tensors (latency).
+  two-shot  barrier(e) -> rank r reduces its 1/W slice of all inputs into its F_AR_MID
+            (reduce-scatter) -> barrier(e+1) -> every rank copies every slice from its owner's
+            F_AR_MID into out (all-gather) -> barrier(e+2). ~2 (W-1)/W of the tensor over the
+            links per rank: best for large tensors (bandwidth).
+  fused     (decode) the local combine y_r[t] = sum_j w[t,j] * expert_y_r[slot_r[t,j]]
+            (slot -1 = expert not on this rank) written to F_AR_IN, then one-shot: ONE launch.
+            The partial is rounded to the buffers' dtype before the cross-rank sum.
+Barriers are per CTA (CTA b of every rank meets CTA b of every rank); a vector is produced and
+consumed by CTAs with the same index on every rank, so no grid-wide barrier is needed (CUTEDSL.md
+P16: a barrier before reading peers and one before returning). Every wait is bounded and a
+timeout raises PeerTimeoutError naming the rank, the phase and the peer.
+Launches are cooperative (all ranks' CTAs co-resident; for virtual ranks grid <= SMs).
+NVLS (multimem) lives in nvls_allreduce.py and is never selected unless nvls_allowed().
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass import Constexpr, Float32, Int32, Int64
+
+from ..comm import peer_buffers as pb
+from .ep_combine import addr_table
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, compile_tvm, cross_rank_barrier,
+                        ctas_per_rank, fake_rows, fake_stream, fake_vec, vec_at, vec_elems,
+                        wait_bounds)
+
+ONESHOT, TWOSHOT, FUSED = 1, 2, 3
+ALGOS = {"oneshot": ONESHOT, "twoshot": TWOSHOT}
+ONESHOT_MAX_BYTES = 1 << 20   # auto: one-shot up to 1 MiB per rank, two-shot above
+
+
+@cute.jit
+def sum_peers(ins: list, c: Int32, nv: Constexpr[int], dtype: Constexpr):
+    """fp32 sum over ranks (in order) of vector c of every input; all loads first."""
+    vals = [vec_at(ins[r], 0, c, nv, dtype).load() for r in range(len(ins))]
+    acc = vals[0].to(Float32)
+    for r in cutlass.range_constexpr(1, len(ins)):
+        acc = acc + vals[r].to(Float32)
+    return acc
+
+
+@cute.kernel
+def allreduce_kernel(mTab: cute.Tensor, mOut: cute.Tensor, mEY: cute.Tensor, mSlot: cute.Tensor,
+                     mW: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
+                     timeout_ns: Int64, max_spins: Int32, algo: Constexpr[int],
+                     hidden: Constexpr[int], K: Constexpr[int], W: Constexpr[int],
+                     cpr: Constexpr[int], dtype: Constexpr):
+    """Shapes: mTab int64 [NUM_FIELDS, W]; mOut [n_local * T, hidden]; fused only: mEY int64
+    [n_local] expert_y addresses, mSlot int32 [n_local * T, K], mW fp32 [T, K]."""
+    threads = THREADS
+    nv = hidden // vec_elems(dtype)
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rl = bidx // cpr
+    lb = bidx - rl * cpr
+    rank = rank0 + rl
+    err = mTab[pb.F_ERR, rank]
+    n = T * nv
+    first, stride = lb * threads + tidx, cpr * threads
+    out = mOut.iterator.toint()
+    ins = [mTab[pb.F_AR_IN, r] for r in range(W)]
+    if rank != skip_rank:
+        if cutlass.const_expr(algo == FUSED):  # local combine -> this rank's F_AR_IN
+            ey = mEY[rl]
+            for c in cutlass.range(first, n, stride):
+                t = c // nv
+                v = c - t * nv
+                acc = cute.full((vec_elems(dtype),), 0.0, Float32)
+                for j in cutlass.range_constexpr(K):
+                    slot = mSlot[rl * T + t, j]
+                    if slot >= 0:
+                        acc = acc + vec_at(ey, slot, v, nv, dtype).load().to(Float32) * mW[t, j]
+                vec_at(mTab[pb.F_AR_IN, rank], 0, c, nv, dtype).store(acc.to(dtype))
+        cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch, tidx, err, timeout_ns, max_spins,
+                           Int32(7), W)
+        if cutlass.const_expr(algo != TWOSHOT):
+            for c in cutlass.range(first, n, stride):
+                vec_at(out, rl * T, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
+        else:
+            per = (n + (W - 1)) // W
+            lo = rank * per
+            mine = n - lo
+            mine = per if mine > per else mine
+            mid = mTab[pb.F_AR_MID, rank]
+            for q in cutlass.range(first, mine, stride):
+                vec_at(mid, 0, lo + q, nv, dtype).store(sum_peers(ins, lo + q, nv, dtype).to(dtype))
+            cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + 1, tidx, err, timeout_ns,
+                               max_spins, Int32(8), W)
+            for u in cutlass.range_constexpr(W):
+                s = (rank + u) % W
+                slo = s * per
+                cnt = n - slo
+                cnt = per if cnt > per else cnt
+                src = mTab[pb.F_AR_MID, s]
+                for q in cutlass.range(first, cnt, stride):
+                    vec_at(out, rl * T, slo + q, nv, dtype).store(
+                        vec_at(src, 0, slo + q, nv, dtype).load())
+        cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + (2 if algo == TWOSHOT else 1), tidx,
+                           err, timeout_ns, max_spins, Int32(9), W)
+
+
+@cute.jit
+def allreduce_entry(mTab: cute.Tensor, mOut: cute.Tensor, mEY: cute.Tensor, mSlot: cute.Tensor,
+                    mW: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
+                    timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
+                    algo: Constexpr[int], hidden: Constexpr[int], K: Constexpr[int],
+                    W: Constexpr[int], cpr: Constexpr[int], n_local: Constexpr[int],
+                    dtype: Constexpr):
+    allreduce_kernel(mTab, mOut, mEY, mSlot, mW, T, epoch, rank0, skip_rank, timeout_ns,
+                     max_spins, algo, hidden, K, W, cpr, dtype).launch(
+        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream, cooperative=True)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_allreduce(algo: int, hidden: int, top_k: int, world: int, cpr: int, n_local: int,
+                      dtype: str, arch: str | None = None):
+    """Compiled TVM-FFI all-reduce (algo ONESHOT | TWOSHOT | FUSED). Call: f(table, out, ey_addrs,
+    slot, weights, T, epoch, rank0, skip_rank, timeout_ns, max_spins); ey_addrs/slot/weights are
+    only read by FUSED (pass 1-row dummies otherwise)."""
+    dt = DTYPES[dtype]
+    return compile_tvm(
+        allreduce_entry, fake_rows(Int64, world, pb.NUM_FIELDS), fake_rows(dt, hidden),
+        fake_vec(Int64, n_local), fake_rows(Int32, top_k), fake_rows(Float32, top_k), 1, 1, 0,
+        -1, 1, 1, fake_stream(), algo, hidden, top_k, world, cpr, n_local, dt, arch=arch)
+
+
+def pick_algo(algo: str, nbytes: int) -> str:
+    """"oneshot" | "twoshot" | "auto" (one-shot up to ONESHOT_MAX_BYTES per rank)."""
+    if algo not in ("auto", "oneshot", "twoshot"):
+        raise ValueError(f"algo must be 'auto', 'oneshot' or 'twoshot', got {algo!r}")
+    if algo == "auto":
+        return "oneshot" if nbytes <= ONESHOT_MAX_BYTES else "twoshot"
+    return algo
+
+
+def ar_input(bufs: pb.PeerBuffers, T: int, local_rank: int = 0) -> torch.Tensor:
+    """[T, H] view of a local rank's all-reduce input buffer: write partials here to skip the
+    copy in all_reduce(x=None)."""
+    bufs.check_tokens([T] * bufs.n_local)
+    return bufs.view(pb.F_AR_IN, local_rank)[:T]
+
+
+def _launch(bufs, algo_code, T, out, ey_tab, slot, w, timeout_s, max_spins, check, skip_rank,
+            what):
+    s = bufs.spec
+    ns, spins = wait_bounds(timeout_s, max_spins)
+    epoch = bufs.take_sig_epochs(3 if algo_code == TWOSHOT else 2)
+    cpr = ctas_per_rank(bufs.n_local, True)
+    f = compile_allreduce(algo_code, s.hidden, s.top_k, s.world_size, cpr, bufs.n_local,
+                          str(s.dtype).removeprefix("torch."))
+    f(bufs.table, out.view(-1, s.hidden), ey_tab, slot, w, T, epoch, bufs.rank0, skip_rank, ns,
+      spins)
+    if check:
+        bufs.check_errors(what)
+    return out
+
+
+def _out(bufs, T, out):
+    s = bufs.spec
+    shape = (bufs.n_local, T, s.hidden)
+    if out is None:
+        return torch.empty(shape, dtype=s.dtype, device=bufs.device)
+    if tuple(out.shape) != shape or out.dtype != s.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {s.dtype} {shape}, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _dummies(bufs):
+    d = bufs.device
+    s = bufs.spec
+    return (torch.zeros(bufs.n_local, dtype=torch.int64, device=d),
+            torch.zeros(1, s.top_k, dtype=torch.int32, device=d),
+            torch.zeros(1, s.top_k, dtype=torch.float32, device=d))
+
+
+def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = None, *,
+               algo: str = "auto", out: torch.Tensor | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
+               check: bool = True, skip_rank: int = -1) -> torch.Tensor:
+    """Sum over ranks of x: out [n_local, T, H] (every local rank gets the full sum).
+
+    Args:
+        x: [n_local, T, H] partials of the local ranks (copied into the peer buffers), or None
+            when they were already written into ar_input(bufs, T, i) (then pass T).
+        algo: "auto" | "oneshot" | "twoshot". Others: see ep_dispatch.
+
+    Raises:
+        ValueError: T > max_tokens_per_rank (names the limit), bad shapes; before launching.
+        PeerTimeoutError: a peer never reached a barrier (names rank, phase, peer).
+    """
+    s = bufs.spec
+    bufs.check_usable()
+    if x is not None:
+        if x.dim() != 3 or x.shape[0] != bufs.n_local or x.shape[2] != s.hidden or x.dtype != s.dtype:
+            raise ValueError(f"x must be {s.dtype} [{bufs.n_local}, T, {s.hidden}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        T = x.shape[1]
+    if T is None:
+        raise ValueError("pass T when x is None")
+    bufs.check_tokens([T] * bufs.n_local)
+    if x is not None:
+        for i in range(bufs.n_local):
+            bufs.view(pb.F_AR_IN, i)[:T].copy_(x[i])
+    name = pick_algo(algo, T * s.hidden * s.elem_bytes)
+    out = _out(bufs, T, out)
+    if T == 0:
+        return out
+    return _launch(bufs, ALGOS[name], T, out, *_dummies(bufs), timeout_s, max_spins, check,
+                   skip_rank, f"all_reduce ({name})")
+
+
+def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor],
+                          token_slot: torch.Tensor, topk_weights: torch.Tensor, *,
+                          out: torch.Tensor | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                          max_spins: int | None = None, check: bool = True,
+                          skip_rank: int = -1) -> torch.Tensor:
+    """Decode tp combine in ONE launch: out[r] = sum over ranks of reference.combine(expert_y_r,
+    token_slot_r, topk_weights) (partials rounded to the buffers' dtype, summed in fp32).
+
+    Args:
+        expert_y: n_local tensors [N_r, H] (expert-major rows of each local rank).
+        token_slot: int32 [n_local, T, k] rows of expert_y per (t, j), -1 = not on that rank.
+        topk_weights: fp32 [T, k] (replicated tokens: the same on every rank).
+    Returns out [n_local, T, H]. Raises as all_reduce.
+    """
+    s = bufs.spec
+    bufs.check_usable()
+    eys = [expert_y] if isinstance(expert_y, torch.Tensor) else list(expert_y)
+    T = topk_weights.shape[0]
+    if (token_slot.dtype != torch.int32 or tuple(token_slot.shape) != (bufs.n_local, T, s.top_k)
+            or topk_weights.dtype != torch.float32 or topk_weights.shape[1] != s.top_k):
+        raise ValueError(f"token_slot must be int32 [{bufs.n_local}, T, {s.top_k}] and "
+                         f"topk_weights fp32 [T, {s.top_k}]; got {token_slot.dtype} "
+                         f"{tuple(token_slot.shape)}, {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if len(eys) != bufs.n_local or any(e.dtype != s.dtype or e.shape[-1] != s.hidden
+                                       or not e.is_contiguous() for e in eys):
+        raise ValueError(f"expert_y: {bufs.n_local} contiguous {s.dtype} [N, {s.hidden}] tensors")
+    bufs.check_tokens([T] * bufs.n_local)
+    out = _out(bufs, T, out)
+    if T == 0:
+        return out
+    return _launch(bufs, FUSED, T, out, addr_table(eys, bufs.device),
+                   token_slot.reshape(-1, s.top_k).contiguous(), topk_weights.contiguous(),
+                   timeout_s, max_spins, check, skip_rank, "tp_combine_all_reduce")

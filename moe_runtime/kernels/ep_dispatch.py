@@ -1,0 +1,375 @@
+"""dp_nvlink dispatch (the `cute` backend): all-to-all of token rows over peer pointers.
+
+Every rank routes its own tokens; rows travel straight into the receive buffers of the ranks
+that own their experts (NVLink stores, or plain stores between virtual ranks on one GPU).
+
+Protocol of one call with epoch e (rank s sending, rank r receiving; fields: peer_buffers):
+  COUNT    s acks its previous call to every source (ack_src[s] = e-1: s is done reading its
+           inbox of call e-1), then takes a slot per (t, j) with atomics on cnt[expert].
+  PUBLISH  (after all of s's counts) s scans its counts per destination -> staging index
+           i = offset_within_dest[expert] + slot, the inverse map inv[r, i] = t*k+j, and waits
+           for ack_s[r] >= e-1 before it writes cnt[r's experts] into inbox_r[s] and
+           inbox_flag_r[s] = e (release.sys).
+  SEND     s copies its rows in chunks of `chunk` staging rows: rows + meta (local expert, item)
+           into recv_r[s, i], then chunk_flag_r[s, i // chunk] = e (release.sys): per-token
+           release flags when chunk = 1, per-chunk flags otherwise. Counters are re-zeroed.
+  RECV     r acquire-polls inbox_flag_r[s] >= e for every s, derives expert_offsets (per-expert
+           totals padded to `align`, exclusive scan) and each (s, expert) sub-segment base, then
+           acquire-polls each chunk flag and compacts the rows into expert-major order
+           (F_XOUT), remembering pos[s, i] for the combine.
+  Within an expert, rows are ordered by source rank, then by the source's slot order (atomics,
+  so not deterministic): tests compare through the handle, as for reference.dispatch.
+
+Modes: "decode" = ONE cooperative launch, the phases separated by a rank-local grid barrier
+(CTAs of all virtual ranks co-resident: grid <= SMs); "prefill" = four launches (COUNT,
+PUBLISH, SEND, RECV), the kernel boundary being the barrier, grid >> SMs allowed.
+Every wait is bounded (timeout_s and an iteration cap); a timeout raises PeerTimeoutError naming
+the rank, the phase and the peer waited for.
+
+Flags never go stale: epochs grow per call and waits use a wrap-safe >=, so buffers are reused
+without a memset.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass import Constexpr, Int32, Int64
+
+from ..comm import peer_buffers as pb
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, chunk_of, compile_tvm, copy_row,
+                        ctas_per_rank, fake_rows, fake_stream, fake_vec, i32_at,
+                        rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
+
+PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV = 1, 2, 4, 8
+PH_ALL = PH_COUNT | PH_PUBLISH | PH_SEND | PH_RECV
+PREFILL_PHASES = (PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV)
+DECODE_MAX_TOKENS = 128     # auto mode: decode up to this many tokens on the busiest rank
+DECODE_CHUNK = 1            # per-token release flags
+PREFILL_CHUNK = 4           # one flag per 4 staging rows
+
+
+def _ld(p):
+    return cute.arch.load(p, Int32)
+
+
+@cute.kernel
+def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok: cute.Tensor,
+                    epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32, timeout_ns: Int64,
+                    max_spins: Int32, phases: Constexpr[int], hidden: Constexpr[int],
+                    K: Constexpr[int], W: Constexpr[int], E_l: Constexpr[int],
+                    chunk: Constexpr[int], cpr: Constexpr[int], align: Constexpr[int],
+                    dtype: Constexpr):
+    """Phases `phases` (bit set of PH_*) of the dispatch for the ranks of this launch: CTA b
+    serves rank rank0 + b // cpr. Shapes: mTab int64 [NUM_FIELDS, W]; mX [sum T, hidden];
+    mIds int32 [sum T, K]; mTok int32 [n_local + 1] token offsets of the local ranks."""
+    threads = THREADS
+    nv = hidden // vec_elems(dtype)
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rl = bidx // cpr
+    lb = bidx - rl * cpr
+    rank = rank0 + rl
+    tok0 = mTok[rl]
+    T = mTok[rl + 1] - tok0
+    err = mTab[pb.F_ERR, rank]
+    smem = cutlass.memory.SmemAllocator()
+    sA = smem.allocate_tensor(Int32, cute.make_layout(W * E_l), byte_alignment=16)
+    sB = smem.allocate_tensor(Int32, cute.make_layout(W * E_l), byte_alignment=16)
+    sC = smem.allocate_tensor(Int32, cute.make_layout(W * E_l), byte_alignment=16)
+    sT = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1), byte_alignment=16)
+    sN = smem.allocate_tensor(Int32, cute.make_layout(W), byte_alignment=16)
+    cnt = i32_at(mTab[pb.F_CNT, rank])
+    stage = i32_at(mTab[pb.F_STAGE, rank])
+    inv = i32_at(mTab[pb.F_INV, rank])
+    nsend = i32_at(mTab[pb.F_NSEND, rank])
+    stride = cpr * threads
+    if rank != skip_rank:
+        # ---------------------------------------------------------------- COUNT
+        if cutlass.const_expr(phases & PH_COUNT):
+            if lb == 0:
+                if tidx < W:  # this rank is past call e-1: its inbox may be rewritten
+                    cute.arch.store(i32_at(mTab[pb.F_ACK, tidx]) + rank, epoch - 1,
+                                    sem="release", scope="sys")
+            for i in cutlass.range(lb * threads + tidx, T * K, stride):
+                e = mIds[tok0 + i // K, i % K]
+                cute.arch.store(stage + i, cute.arch.atomic_add(cnt + e, Int32(1)))
+        if cutlass.const_expr((phases & PH_COUNT) and (phases & PH_PUBLISH)):
+            rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, timeout_ns, max_spins,
+                              Int32(1))
+        # ---------------------------------------------------------------- PUBLISH
+        if cutlass.const_expr(phases & PH_PUBLISH):
+            for q in cutlass.range(tidx, W * E_l, threads):  # scan within each dest segment
+                acc = Int32(0)
+                for u in cutlass.range((q // E_l) * E_l, q, 1):
+                    acc = acc + _ld(cnt + u)
+                sA[q] = acc
+            if tidx < W:
+                acc = Int32(0)
+                for u in cutlass.range(tidx * E_l, tidx * E_l + E_l, 1):
+                    acc = acc + _ld(cnt + u)
+                sN[tidx] = acc
+                if lb == 0:
+                    cute.arch.store(nsend + tidx, acc)
+            cute.arch.sync_threads()
+            for i in cutlass.range(lb * threads + tidx, T * K, stride):
+                e = mIds[tok0 + i // K, i % K]
+                si = sA[e] + _ld(stage + i)
+                cute.arch.store(stage + i, si)
+                cute.arch.store(inv + (e // E_l) * S + si, i)
+            if lb == 0:
+                if tidx < W:  # dest tidx finished reading our previous counts
+                    wait_ge(i32_at(mTab[pb.F_ACK, rank]) + tidx, epoch - 1, err, timeout_ns,
+                            max_spins, Int32(2), tidx)
+                cute.arch.sync_threads()
+                for q in cutlass.range(tidx, W * E_l, threads):
+                    r = q // E_l
+                    box = i32_at(mTab[pb.F_INBOX_CNT, r])
+                    cute.arch.store(box + (rank * E_l + q - r * E_l), _ld(cnt + q))
+                cute.arch.sync_threads()
+                if tidx < W:
+                    cute.arch.store(i32_at(mTab[pb.F_INBOX_FLAG, tidx]) + rank, epoch,
+                                    sem="release", scope="sys")
+        if cutlass.const_expr((phases & PH_PUBLISH) and (phases & PH_SEND)):
+            rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, timeout_ns, max_spins,
+                              Int32(3))
+        # ---------------------------------------------------------------- SEND
+        if cutlass.const_expr(phases & PH_SEND):
+            for q in cutlass.range(lb * threads + tidx, W * E_l, stride):
+                cute.arch.store(cnt + q, Int32(0))  # every CTA read cnt before the barrier
+            counts = [_ld(nsend + q) for q in range(W)]
+            _p, _c, _n, total = chunk_of(Int32(0), rank, counts, chunk, W)
+            x_addr = mX.iterator.toint()
+            for g in cutlass.range(lb, total, cpr):
+                r, c, n, _t = chunk_of(g, rank, counts, chunk, W)
+                dst = mTab[pb.F_RECV_X, r]
+                meta = i32_at(mTab[pb.F_RECV_META, r])
+                for q in cutlass.range_constexpr(chunk):
+                    i = c * chunk + q
+                    if i < n:
+                        item = _ld(inv + r * S + i)
+                        t = item // K
+                        copy_row(x_addr, tok0 + t, dst, rank * S + i, tidx, threads, nv, dtype)
+                        if tidx == 0:
+                            e = mIds[tok0 + t, item - t * K]
+                            cute.arch.store(meta + (rank * S + i) * 2, e % E_l)
+                            cute.arch.store(meta + (rank * S + i) * 2 + 1, item)
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    cute.arch.store(i32_at(mTab[pb.F_CHUNK_FLAG, r]) + (rank * S + c), epoch,
+                                    sem="release", scope="sys")
+        # ---------------------------------------------------------------- RECV
+        if cutlass.const_expr(phases & PH_RECV):
+            if tidx < W:
+                wait_ge(i32_at(mTab[pb.F_INBOX_FLAG, rank]) + tidx, epoch, err, timeout_ns,
+                        max_spins, Int32(4), tidx)
+            cute.arch.sync_threads()
+            box = i32_at(mTab[pb.F_INBOX_CNT, rank])
+            for q in cutlass.range(tidx, W * E_l, threads):  # counts [source, local expert]
+                sC[q] = _ld(box + q)
+            cute.arch.sync_threads()
+            for le in cutlass.range(tidx, E_l, threads):  # padded per-expert totals
+                tot = Int32(0)
+                for s in cutlass.range_constexpr(W):
+                    tot = tot + sC[s * E_l + le]
+                sT[le] = (tot + (align - 1)) // align * align
+            if tidx < W:
+                acc = Int32(0)
+                for u in cutlass.range(tidx * E_l, tidx * E_l + E_l, 1):
+                    acc = acc + sC[u]
+                sN[tidx] = acc
+            cute.arch.sync_threads()
+            offs = i32_at(mTab[pb.F_OFFS, rank])
+            for le in cutlass.range(tidx, E_l + 1, threads):
+                off = Int32(0)
+                for u in cutlass.range(0, le, 1):
+                    off = off + sT[u]
+                if lb == 0:
+                    cute.arch.store(offs + le, off)
+                if le < E_l:
+                    sA[le] = off  # sA[0:E_l] = expert offsets (sA is free after PUBLISH)
+            if lb == 0:
+                if tidx < W:
+                    cute.arch.store(i32_at(mTab[pb.F_NRECV, rank]) + tidx, sN[tidx])
+            cute.arch.sync_threads()
+            for q in cutlass.range(tidx, W * E_l, threads):  # (source, expert) sub-segments
+                s = q // E_l
+                le = q - s * E_l
+                within = Int32(0)
+                for u in cutlass.range(0, s, 1):
+                    within = within + sC[u * E_l + le]
+                lo = Int32(0)
+                for u in cutlass.range(s * E_l, q, 1):
+                    lo = lo + sC[u]
+                sB[q] = sA[le] + within - lo  # row = sB[s, le] + staging index i
+            cute.arch.sync_threads()
+            counts = [sN[q] for q in range(W)]
+            _p, _c, _n, total = chunk_of(Int32(0), rank, counts, chunk, W)
+            recv = mTab[pb.F_RECV_X, rank]
+            xout = mTab[pb.F_XOUT, rank]
+            meta = i32_at(mTab[pb.F_RECV_META, rank])
+            pos = i32_at(mTab[pb.F_POS, rank])
+            cflag = i32_at(mTab[pb.F_CHUNK_FLAG, rank])
+            for g in cutlass.range(lb, total, cpr):
+                s, c, n, _t = chunk_of(g, rank, counts, chunk, W)
+                if tidx == 0:
+                    wait_ge(cflag + (s * S + c), epoch, err, timeout_ns, max_spins, Int32(5), s)
+                cute.arch.sync_threads()
+                ok = cute.arch.load(i32_at(err), Int32, sem="relaxed", scope="gpu") == 0
+                for q in cutlass.range_constexpr(chunk):
+                    i = c * chunk + q
+                    if ok & (i < n):
+                        row = s * S + i
+                        le = _ld(meta + row * 2)
+                        p = sB[s * E_l + le] + i
+                        copy_row(recv, row, xout, p, tidx, threads, nv, dtype)
+                        if tidx == 0:
+                            cute.arch.store(pos + row, p)
+
+
+@cute.jit
+def dispatch_entry(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok: cute.Tensor,
+                   epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32, timeout_ns: Int64,
+                   max_spins: Int32, stream: cuda.CUstream, phases: Constexpr[int],
+                   hidden: Constexpr[int], K: Constexpr[int], W: Constexpr[int],
+                   E_l: Constexpr[int], chunk: Constexpr[int], cpr: Constexpr[int],
+                   n_local: Constexpr[int], align: Constexpr[int], dtype: Constexpr):
+    dispatch_kernel(mTab, mX, mIds, mTok, epoch, S, rank0, skip_rank, timeout_ns, max_spins,
+                    phases, hidden, K, W, E_l, chunk, cpr, align, dtype).launch(
+        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
+        cooperative=phases == PH_ALL)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_dispatch(phases: int, hidden: int, top_k: int, world: int, local_experts: int,
+                     chunk: int, cpr: int, n_local: int, align: int, dtype: str,
+                     arch: str | None = None):
+    """Compiled TVM-FFI dispatch for one configuration (phases PH_ALL = decode, one PH_* =
+    one prefill launch). Call: f(table, x, topk_ids, tok, epoch, S, rank0, skip_rank,
+    timeout_ns, max_spins) on the current torch stream."""
+    dt = DTYPES[dtype]
+    tall = cute.sym_int()
+    return compile_tvm(
+        dispatch_entry, fake_rows(cutlass.Int64, world, pb.NUM_FIELDS), fake_rows(dt, hidden, tall),
+        fake_rows(Int32, top_k, tall), fake_vec(Int32, n_local + 1), 1, 1, 0, -1, 1, 1,
+        fake_stream(), phases, hidden, top_k, world, local_experts, chunk, cpr, n_local, align,
+        dt, arch=arch)
+
+
+# ------------------------------------------------------------------------------------- host
+@dataclass
+class EPDispatchHandle:
+    """What ep_combine needs, plus the outputs of the dispatch.
+
+    Attributes:
+        epoch: the call's epoch (combine must use the newest dispatch's handle).
+        tokens: tokens per local rank; tok: int32 device [n_local + 1] token offsets.
+        topk_ids: int32 [sum T, k] (the dispatch's, kept for the combine).
+        mode, chunk: how the rows were moved (combine reuses chunk: its flags mirror it).
+        expert_x: per local rank, [xout_rows, H] rows in expert-major order (views into the
+            peer buffers: valid until the next dispatch).
+        expert_offsets: per local rank, int32 [E_local + 1] (views, same lifetime).
+    """
+
+    epoch: int
+    tokens: list[int]
+    tok: torch.Tensor
+    topk_ids: torch.Tensor
+    mode: str
+    chunk: int
+    expert_x: list[torch.Tensor] = field(repr=False)
+    expert_offsets: list[torch.Tensor] = field(repr=False)
+
+
+def pick_mode(mode: str, max_tokens: int) -> str:
+    """"decode" | "prefill" | "auto" (decode up to DECODE_MAX_TOKENS tokens per rank)."""
+    if mode not in ("auto", "decode", "prefill"):
+        raise ValueError(f"mode must be 'auto', 'decode' or 'prefill', got {mode!r}")
+    if mode == "auto":
+        return "decode" if max_tokens <= DECODE_MAX_TOKENS else "prefill"
+    return mode
+
+
+def _rows_or_dummy(t: torch.Tensor) -> torch.Tensor:
+    """A 0-row tensor becomes 1 zero row: the kernels never read it (all T are 0), and TVM-FFI
+    gets a real, aligned device pointer."""
+    return t if t.shape[0] else torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+
+
+def check_inputs(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
+                 tokens_per_rank: Sequence[int] | None) -> list[int]:
+    """Validate shapes/dtypes/limits on the host before any launch; returns tokens per rank.
+
+    Raises:
+        ValueError: token counts over max_tokens_per_rank (names the limit), shape mismatches.
+        TypeError: wrong dtypes.
+    """
+    s = bufs.spec
+    bufs.check_usable()
+    tokens = [x.shape[0]] if tokens_per_rank is None else [int(t) for t in tokens_per_rank]
+    bufs.check_tokens(tokens)
+    if x.dim() != 2 or x.shape[1] != s.hidden or x.shape[0] != sum(tokens):
+        raise ValueError(f"x must be [sum(tokens)={sum(tokens)}, H={s.hidden}], got {tuple(x.shape)}")
+    if x.dtype != s.dtype:
+        raise TypeError(f"x must be {s.dtype} (the buffers' dtype), got {x.dtype}")
+    if topk_ids.dtype != torch.int32 or tuple(topk_ids.shape) != (x.shape[0], s.top_k):
+        raise ValueError(f"topk_ids must be int32 [{x.shape[0]}, {s.top_k}], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if x.device != bufs.device or topk_ids.device != bufs.device:
+        raise ValueError(f"inputs must be on {bufs.device}")
+    return tokens
+
+
+def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
+                tokens_per_rank: Sequence[int] | None = None, *, mode: str = "auto",
+                timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
+                check: bool = True, skip_rank: int = -1) -> EPDispatchHandle:
+    """dp_nvlink dispatch of the local rank(s) of `bufs`.
+
+    Args:
+        bufs: PeerBuffers (virtual: all W ranks here; real: this rank only).
+        x: [sum T_r, H] tokens of the local ranks, concatenated in rank order (real mode: [T, H]).
+        topk_ids: int32 [sum T_r, k] global expert ids (distinct within a token, in [0, E)).
+        tokens_per_rank: T_r per local rank (default [x.shape[0]]); each <= max_tokens_per_rank.
+        mode: "auto" | "decode" (one cooperative launch) | "prefill" (four launches).
+        timeout_s, max_spins: bounds of every device wait.
+        check: read the error words after the launch (host sync) and raise PeerTimeoutError.
+            Pass False inside CUDA graphs and call bufs.check_errors() later.
+        skip_rank: test hook: the CTAs of this (virtual) rank do nothing (a withheld rank).
+
+    Returns:
+        EPDispatchHandle (expert_x / expert_offsets views per local rank).
+
+    Raises:
+        ValueError / TypeError: bad inputs, before anything is launched.
+        PeerTimeoutError: a wait timed out (names rank, phase and peer); bufs need reset().
+    """
+    s = bufs.spec
+    tokens = check_inputs(bufs, x, topk_ids, tokens_per_rank)
+    mode = pick_mode(mode, max(tokens))
+    chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
+    tok = torch.tensor([0] + list(torch.tensor(tokens).cumsum(0).tolist()), dtype=torch.int32,
+                       device=bufs.device)
+    epoch = bufs.next_epoch()
+    ns, spins = wait_bounds(timeout_s, max_spins)
+    xx, ids = _rows_or_dummy(x.contiguous()), _rows_or_dummy(topk_ids.contiguous())
+    dname = str(s.dtype).removeprefix("torch.")
+    phase_list = (PH_ALL,) if mode == "decode" else PREFILL_PHASES
+    cpr = ctas_per_rank(bufs.n_local, mode == "decode")
+    for ph in phase_list:
+        f = compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts, chunk,
+                             cpr, bufs.n_local, s.align, dname)
+        f(bufs.table, xx, ids, tok, epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
+    handle = EPDispatchHandle(epoch, tokens, tok, topk_ids, mode, chunk,
+                              [bufs.expert_x(i) for i in range(bufs.n_local)],
+                              [bufs.expert_offsets(i) for i in range(bufs.n_local)])
+    bufs._last_dispatch = epoch
+    if check:
+        bufs.check_errors(f"ep_dispatch ({mode}, epoch {epoch})")
+    return handle

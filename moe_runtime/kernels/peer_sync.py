@@ -1,0 +1,234 @@
+"""Device helpers of the multi-rank kernels (ep_dispatch, ep_combine, allreduce): bounded
+release/acquire waits with an error record, a rank-local grid barrier, a cross-rank per-CTA
+barrier, 16-byte vector access at int64 addresses, and the compile helper.
+
+NOTE for merging: moe_runtime/sync/ (kernel team) was not committed when this was written; the
+waits here differ from it in three ways the multi-rank protocol needs: flags at *system* scope,
+a wait that also stops when its rank already recorded an error (so a withheld peer costs one
+timeout, not one per flag), and an iteration cap next to the %globaltimer bound (CUTEDSL.md
+§16: timer-based bounds overshoot 50 ms -> 3 s on the H200 machines). Fold into sync/ later.
+
+Addresses: every buffer is reached through an Int64 address (peer pointer or local), never a
+cute tensor of dynamic extent, and row offsets are computed in Int64 (rows * H overflows int32
+for the big expert-major buffers, CUTEDSL.md P19).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Constexpr, Float16, Int32, Int64, Uint32
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.experimental.primitives import nanosleep
+
+GMEM = cute.AddressSpace.gmem
+VEC_BYTES = 16
+DTYPES = {"bfloat16": BFloat16, "float16": Float16}
+SLEEP_NS = 64          # back-off per poll after a miss
+
+
+def vec_elems(dtype) -> int:
+    """Elements per 16-byte vector (8 for bf16/fp16)."""
+    return VEC_BYTES * 8 // dtype.width
+
+
+# ------------------------------------------------------------------------- pointers / vectors
+@cute.jit
+def i32_at(addr: Int64) -> cute.Pointer:
+    """Int32 gmem pointer at a raw address (peer or local)."""
+    return cute.make_ptr(Int32, addr, GMEM, assumed_align=4)
+
+
+@cute.jit
+def vec_at(addr: Int64, row: Int32, v: Int32, nv: Constexpr[int], dtype: Constexpr):
+    """16-byte vector v of row `row` of a row-major [*, nv * VEC] buffer at `addr`, as a
+    (VEC,) tensor: .load() / .store() give ld/st.global.v4.b32. Offsets in Int64."""
+    off = (Int64(row) * nv + Int64(v)) * VEC_BYTES
+    p = cute.make_ptr(dtype, addr + off, GMEM, assumed_align=16)
+    return cute.make_tensor(p, cute.make_layout(vec_elems(dtype)))
+
+
+@cute.jit
+def copy_row(src: Int64, src_row: Int32, dst: Int64, dst_row: Int32, tidx: Int32,
+             threads: Constexpr[int], nv: Constexpr[int], dtype: Constexpr):
+    """The CTA copies one row of nv vectors: all loads first (clamped index), then stores."""
+    n_iter = (nv + threads - 1) // threads
+    vals = []
+    for i in cutlass.range_constexpr(n_iter):
+        c = tidx + i * threads
+        if cutlass.const_expr((i + 1) * threads > nv):
+            c = c if c < nv else nv - 1
+        vals.append(vec_at(src, src_row, c, nv, dtype).load())
+    for i in cutlass.range_constexpr(n_iter):
+        c = tidx + i * threads
+        if cutlass.const_expr((i + 1) * threads <= nv):
+            vec_at(dst, dst_row, c, nv, dtype).store(vals[i])
+        else:
+            if c < nv:
+                vec_at(dst, dst_row, c, nv, dtype).store(vals[i])
+
+
+# ------------------------------------------------------------------------------ bounded waits
+@cute.jit
+def record_error(err: Int64, phase: Int32, peer: Int32, expected: Int32, seen: Int32):
+    """Keep the first error of a rank: err[0] = phase (CAS from 0), then peer/expected/seen."""
+    p = i32_at(err)
+    old = cute.arch.atomic_cas(p, cmp=Int32(0), val=phase, sem="relaxed", scope="gpu")
+    if old == 0:
+        cute.arch.store(p + 1, peer)
+        cute.arch.store(p + 2, expected)
+        cute.arch.store(p + 3, seen)
+
+
+@cute.jit
+def wait_ge(flag: cute.Pointer, target: Int32, err: Int64, timeout_ns: Int64, max_spins: Int32,
+            phase: Int32, peer: Int32):
+    """One thread waits for *flag - target >= 0 (monotonic epochs, wrap-safe, never `==`:
+    CUTEDSL.md P14) with ld.acquire.sys. Gives up after timeout_ns, after max_spins polls, or at
+    once when this rank already recorded an error; a timeout is recorded as (phase, peer)."""
+    t0 = cute.arch.globaltimer()
+    v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
+    n = Int32(0)
+    stop = False
+    while v - target < 0 and not stop:
+        nanosleep(SLEEP_NS)
+        v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
+        n = n + 1
+        aborted = cute.arch.load(i32_at(err), Int32, sem="relaxed", scope="gpu") != 0
+        stop = aborted | (n >= max_spins) | ((cute.arch.globaltimer() - t0) > timeout_ns)
+    if v - target < 0:
+        record_error(err, phase, peer, target, v)
+
+
+@cute.jit
+def signal_release(flag: cute.Pointer, value: Int32, tidx: Int32):
+    """After every thread's stores of this CTA (bar.sync), thread 0 publishes `value` with a
+    st.release.sys (cumulative: covers the CTA's prior stores, CUTEDSL.md recipe 4)."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        cute.arch.store(flag, value, sem="release", scope="sys")
+
+
+@cute.jit
+def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int32, err: Int64,
+                      timeout_ns: Int64, max_spins: Int32, phase: Int32):
+    """Barrier among the cpr CTAs of one rank (CUTEDSL.md recipe 5 bit-31 flip, self-resetting,
+    one word per rank). Needs the CTAs co-resident (cooperative launch, P15). Bounded: a
+    timeout records (phase, peer=-1) and leaves the word dirty (reset() clears it)."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        bar = cute.make_ptr(Uint32, bar_addr, GMEM, assumed_align=4)
+        inc = Uint32(1)
+        if lb == 0:
+            inc = Uint32(0x80000000) - Uint32(cpr - 1)
+        cute.arch.fence_acq_rel_gpu()
+        old = cute.arch.atomic_add(bar, inc, sem="release", scope="gpu")
+        t0 = cute.arch.globaltimer()
+        cur = cute.arch.load(bar, Uint32, sem="acquire", scope="gpu")
+        n = Int32(0)
+        stop = False
+        while ((old ^ cur) & Uint32(0x80000000)) == Uint32(0) and not stop:
+            nanosleep(SLEEP_NS)
+            cur = cute.arch.load(bar, Uint32, sem="acquire", scope="gpu")
+            n = n + 1
+            aborted = cute.arch.load(i32_at(err), Int32, sem="relaxed", scope="gpu") != 0
+            stop = aborted | (n >= max_spins) | ((cute.arch.globaltimer() - t0) > timeout_ns)
+        if ((old ^ cur) & Uint32(0x80000000)) == Uint32(0):
+            record_error(err, phase, Int32(-1), Int32(cpr), Int32(cur & Uint32(0x7FFFFFFF)))
+        cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def cross_rank_barrier(mTab: cute.Tensor, sig_field: Constexpr[int], rank: Int32, lb: Int32,
+                       epoch: Int32, tidx: Int32, err: Int64, timeout_ns: Int64, max_spins: Int32,
+                       phase: Int32, W: Constexpr[int]):
+    """CTA lb of every rank meets CTA lb of every other rank (CUTEDSL.md recipe 6): thread s < W
+    stores epoch into pad_s[lb, rank] (release.sys), then waits pad_rank[lb, s] >= epoch. Every
+    rank must launch the same number of CTAs per rank; epochs only grow (host take_sig_epochs)."""
+    cute.arch.sync_threads()
+    if tidx < W:
+        peer = i32_at(mTab[sig_field, tidx])
+        cute.arch.store(peer + (lb * W + rank), epoch, sem="release", scope="sys")
+        mine = i32_at(mTab[sig_field, rank])
+        wait_ge(mine + (lb * W + tidx), epoch, err, timeout_ns, max_spins, phase, tidx)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def chunk_of(g: Int32, first: Int32, counts: list, chunk: Constexpr[int], W: Constexpr[int]):
+    """Map a global chunk number g to (peer, chunk within peer, rows of that peer) over the
+    peers first, first+1, ... (mod W): peer q contributes ceil(counts[q] / chunk) chunks.
+    counts: W Int32 values (Python list, unrolled). Returns (peer, c, n, total_chunks)."""
+    base = Int32(0)
+    peer, c, n = Int32(0), Int32(0), Int32(0)
+    for q in cutlass.range_constexpr(W):
+        p = (first + q) % W
+        nq = counts[0]
+        for u in cutlass.range_constexpr(1, W):
+            nq = counts[u] if p == u else nq
+        ch = (nq + (chunk - 1)) // chunk
+        hit = (g >= base) & (g < base + ch)
+        peer = p if hit else peer
+        c = (g - base) if hit else c
+        n = nq if hit else n
+        base = base + ch
+    return peer, c, n, base
+
+
+# ----------------------------------------------------------------------------- compilation
+def fake_rows(dtype, cols, rows=None):
+    """Fake row-major [rows, cols] tensor (16-B aligned); rows symbolic unless given."""
+    rows = cute.sym_int() if rows is None else rows
+    return make_fake_compact_tensor(dtype, (rows, cols), stride_order=(1, 0), assumed_align=16)
+
+
+def fake_vec(dtype, n=None):
+    """Fake 1-D tensor of n elements (symbolic when None), 16-B aligned."""
+    return make_fake_compact_tensor(dtype, (cute.sym_int() if n is None else n,), assumed_align=16)
+
+
+def fake_stream():
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_tvm(entry, *args, arch: str | None = None):
+    """cute.compile with TVM-FFI (torch tensors in, current torch stream) for `arch`
+    (None: the detected GPU; CPU CI passes "sm_90a" / "sm_100a")."""
+    opts = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(entry, *args, options=opts)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+    """SMs of the current CUDA device (132 on the H200); MOE_RUNTIME_SMS overrides."""
+    if os.environ.get("MOE_RUNTIME_SMS"):
+        return int(os.environ["MOE_RUNTIME_SMS"])
+    import torch
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+# ------------------------------------------------------------------------------ host helpers
+DEFAULT_TIMEOUT_S = 10.0
+THREADS = 256          # threads per CTA of every multi-rank kernel
+
+
+def wait_bounds(timeout_s: float, max_spins: int | None) -> tuple[int, int]:
+    """(timeout_ns, max_spins) kernel arguments. max_spins defaults to one poll per 100 ns of
+    timeout (each poll sleeps >= SLEEP_NS and loads twice), so a timer that overshoots
+    (CUTEDSL.md §16) still ends within a small multiple of timeout_s."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    ns = int(timeout_s * 1e9)
+    spins = max(1, min(0x7FFFFFFF, ns // 100)) if max_spins is None else int(max_spins)
+    return ns, spins
+
+
+def ctas_per_rank(n_local: int, fused: bool) -> int:
+    """CTAs per rank: fused (cooperative, grid barrier) launches put one CTA per SM in all;
+    split launches 4 per SM (grid >> SMs is fine there: no in-kernel barrier)."""
+    sms = sm_count()
+    per = sms // n_local if fused else 4 * sms // n_local
+    return max(1, min(per, 1024))
