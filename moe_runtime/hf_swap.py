@@ -14,8 +14,9 @@ Every family stores its routed experts in the fused v5 layout that `Experts` use
 (gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I], SiLU, no bias), its router
 weight as [E, H] and its shared expert as three bias-free nn.Linear, so NO tensor is copied for any
 of the five families: the replacement's parameters and buffers ARE the HF ones (same storage; under
-a multi-rank topology the routed experts are a view of this rank's slice). The MoELayer is built
-on the meta device first, so the swap allocates no weight memory at all.
+a multi-rank topology the routed experts are a view of this rank's slice, which keeps the whole
+[E, ...] HF storage alive: to hold only this rank's experts, load them so in the first place). The
+MoELayer is built on the meta device first, so the swap allocates no weight memory at all.
 
 All five blocks return one tensor [batch, seq, H] in transformers 5.x, which MoELayer also returns.
 

@@ -5,18 +5,16 @@ attention; each model is compared with itself before and after the in-place swap
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import transformers as tf
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from moe_runtime import MoELayer, swap_moe_layers
+from moe_runtime import MoEConfig, MoELayer, swap_moe_layers
 from moe_runtime.hf_swap import FAMILIES
 from moe_runtime.routing import Router
-from moe_runtime.topologies import LocalTopology
+from moe_runtime.topologies import LocalTopology, Topology
 
 EAGER = dict(experts_implementation="eager", attn_implementation="eager")
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -154,11 +152,15 @@ def test_topology_instance_and_layer_kwargs():
         swap_moe_layers(tiny_model("olmoe"), device="cpu")
 
 
+def gpt_oss_model():
+    """A tiny GPT-OSS: its MoE block (GptOssMLP: biased, clamped SwiGLU experts) is unsupported."""
+    return tf.GptOssForCausalLM(tf.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2, **EAGER))
+
+
 def test_unsupported_block_raises_naming_supported():
-    cfg = tf.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                          num_local_experts=4, num_experts_per_tok=2, **EAGER)
-    model = tf.GptOssForCausalLM(cfg)
+    model = gpt_oss_model()
     with pytest.raises(ValueError, match="GptOssMLP") as e:
         swap_moe_layers(model)
     for fam in FAMILIES:
@@ -170,9 +172,7 @@ def test_unsupported_block_raises_naming_supported():
 def test_mixed_model_is_left_untouched_on_error():
     """A supported block next to an unsupported one: nothing is replaced."""
     qwen = tiny_model("qwen3_moe")
-    gpt = tf.GptOssForCausalLM(tf.GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2, **EAGER))
+    gpt = gpt_oss_model()
     both = nn.ModuleDict({"a": qwen.model.layers[0], "b": gpt.model.layers[0]})
     with pytest.raises(ValueError, match="GptOssMLP"):
         swap_moe_layers(both)
@@ -277,7 +277,6 @@ def _compare_routing(hf_router: nn.Module, moe_cfg, logits: torch.Tensor, bias=N
 @pytest.mark.parametrize("norm", [False, True])
 def test_softmax_routing_matches_hf(E, k, norm):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-    from moe_runtime import MoEConfig
     hf = Qwen3MoeTopKRouter(tf.Qwen3MoeConfig(hidden_size=E, num_experts=E, num_experts_per_tok=k,
                                               norm_topk_prob=norm))
     logits = torch.randn(64, E, generator=torch.Generator().manual_seed(E * 10 + k)) * 3
@@ -289,7 +288,6 @@ def test_softmax_routing_matches_hf(E, k, norm):
 @pytest.mark.parametrize("E,k", [(8, 1), (8, 2), (8, 8)])
 def test_mixtral_routing_matches_hf(E, k):
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-    from moe_runtime import MoEConfig
     hf = MixtralTopKRouter(tf.MixtralConfig(hidden_size=E, num_local_experts=E, num_experts_per_tok=k))
     logits = torch.randn(64, E, generator=torch.Generator().manual_seed(k)) * 3
     cfg = MoEConfig(hidden_size=E, num_experts=E, top_k=k, moe_intermediate_size=1, dtype=torch.float32)
@@ -302,7 +300,6 @@ def test_mixtral_routing_matches_hf(E, k):
 @pytest.mark.parametrize("norm,scale", [(True, 2.5), (False, 1.0)])
 def test_deepseek_v3_routing_matches_hf(E, k, n_group, topk_group, norm, scale):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-    from moe_runtime import MoEConfig
     hf = DeepseekV3TopkRouter(tf.DeepseekV3Config(
         hidden_size=E, n_routed_experts=E, num_experts_per_tok=k, n_group=n_group,
         topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=scale))
@@ -322,7 +319,6 @@ def test_deepseek_v3_routing_matches_hf(E, k, n_group, topk_group, norm, scale):
     "eligible expert's biased score is negative. Drop this marker once route() masks with -inf."))
 def test_deepseek_negative_bias_group_mask():
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-    from moe_runtime import MoEConfig
     hf = DeepseekV3TopkRouter(tf.DeepseekV3Config(hidden_size=4, n_routed_experts=4, num_experts_per_tok=2,
                                                   n_group=2, topk_group=1))
     # group 0 = {0, 1} wins (biased sums ~ -1 vs ~ -5); expert 1's biased score is negative, so HF
@@ -331,3 +327,37 @@ def test_deepseek_negative_bias_group_mask():
                     n_group=2, topk_group=1, routed_scaling_factor=2.5, use_correction_bias=True,
                     router_logits_fp32=True, dtype=torch.float32)
     _compare_routing(hf, cfg, torch.zeros(3, 4), torch.tensor([0.0, -2.0, -3.0, -3.0]))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_bf16_model(family):
+    """bf16 end to end; HF rounds routing weights to bf16 and sums experts in bf16, we sum in fp32,
+    so the two agree to bf16 rounding (measured ~5e-3), not to 1e-5."""
+    model = tiny_model(family, True).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        out = swap_moe_layers(model)(ids).logits.float()
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2 and all(l.config.dtype == torch.bfloat16 for l in layers)
+    assert rel_err(out, ref) <= 2e-2, rel_err(out, ref)
+
+
+class _HalfOfTheExperts(LocalTopology):
+    """Rank 1 of 2 for the bookkeeping only (construction; never dispatches)."""
+
+    def __init__(self, num_experts):
+        super().__init__(num_experts)
+        Topology.__init__(self, num_experts, rank=1, world_size=2)
+
+
+def test_multi_rank_topology_shares_this_ranks_slice():
+    model = tiny_model("olmoe")
+    hf = [(b.experts.gate_up_proj, b.experts.down_proj) for b in hf_blocks(model)]
+    swap_moe_layers(model, topology=_HalfOfTheExperts(8))
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer, (gate_up, down) in zip(layers, hf):
+        assert layer.local_expert_range == range(4, 8)
+        for ours, theirs in ((layer.experts.gate_up_proj, gate_up), (layer.experts.down_proj, down)):
+            assert ours.shape == theirs[4:].shape and ours.data_ptr() == theirs[4].data_ptr()
+            assert ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
