@@ -1,0 +1,209 @@
+"""Model families and the checkpoint loader, in one process (no Ray): numerics against HF
+transformers on tiny random checkpoints written by transformers itself, both expert layouts,
+sharded checkpoints, clear errors for missing / misshaped tensors, sampler and scheduler rules."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_runtime.engine.sampler import SamplingParams, request_generators, sample
+from moe_runtime.engine.scheduler import assign_requests, run_requests
+from moe_runtime.models import CheckpointError, Parallel, head_shard, load_model, read_spec
+from moe_runtime.models.make_checkpoint import make_checkpoint
+
+PROMPTS = ["The quick brown fox jumps over", "Hello", "A mixture of experts model sends every token to a few"]
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"qwen3-moe": make_checkpoint(str(root / "qwen3"), "qwen3-moe", "tiny"),
+            "mixtral": make_checkpoint(str(root / "mixtral"), "mixtral", "tiny", max_shard_size="100KB")}
+
+
+def hf_greedy(model_dir: str, prompts, max_new_tokens: int, eos_token_id=None):
+    """Greedy continuation of each prompt (batch of one, no padding) by HF generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        kw = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+        g = hf.generate(ids, do_sample=False, max_new_tokens=max_new_tokens,
+                        pad_token_id=tok.eos_token_id, **kw)
+        out.append(g[0, ids.shape[1]:].tolist())
+    return out
+
+
+def encode(model_dir, prompts):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_local_batch_greedy_equals_hf_generate(ckpts, arch):
+    d = ckpts[arch]
+    model = load_model(d, Parallel(), progress=False)
+    out = run_requests(model, encode(d, PROMPTS), range(len(PROMPTS)),
+                       SamplingParams(max_new_tokens=NEW_TOKENS), stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS, NEW_TOKENS)
+    assert out.finish_reasons == ["length"] * len(PROMPTS)
+    assert out.prefill_tokens == sum(len(p) for p in encode(d, PROMPTS))
+
+
+def test_stop_token_ends_a_request_early_like_hf_eos(ckpts):
+    d = ckpts["qwen3-moe"]
+    ref = hf_greedy(d, PROMPTS, NEW_TOKENS)
+    stop = ref[0][3]  # the 4th greedy token of prompt 0 becomes the stop token
+    want = hf_greedy(d, PROMPTS, NEW_TOKENS, eos_token_id=stop)
+    want = [w[:w.index(stop) + 1] if stop in w else w for w in want]  # HF pads after EOS
+    model = load_model(d, Parallel(), progress=False)
+    out = run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(max_new_tokens=NEW_TOKENS),
+                       stop_ids=[stop])
+    assert out.token_ids == want
+    assert out.finish_reasons[0] == "stop" and len(out.token_ids[0]) == 4
+
+
+def _to_fused(src: str, dst: str) -> None:
+    """Rewrite a per-expert checkpoint with transformers' fused in-memory expert layout."""
+    spec, a = read_spec(src)
+    gate, up, down = a.expert_proj_names
+    block = a.moe_block_names[0]
+    with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}.{block}.experts"
+        E = spec.moe.num_experts
+        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat(
+            [tensors.pop(f"{p}.{e}.{gate}.weight"), tensors.pop(f"{p}.{e}.{up}.weight")]) for e in range(E)])
+        tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.{down}.weight") for e in range(E)])
+    shutil.copytree(src, dst)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+
+
+def test_fused_expert_layout_loads_identically(ckpts, tmp_path):
+    src = ckpts["qwen3-moe"]
+    _to_fused(src, str(tmp_path / "fused"))
+    a, b = load_model(src, progress=False), load_model(str(tmp_path / "fused"), progress=False)
+    for (n1, t1), (n2, t2) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert n1 == n2 and torch.equal(t1, t2), n1
+
+
+def test_sharded_checkpoint_has_an_index_and_several_files(ckpts):
+    d = ckpts["mixtral"]
+    assert os.path.isfile(os.path.join(d, "model.safetensors.index.json"))
+    assert not os.path.isfile(os.path.join(d, "model.safetensors"))
+    assert len({f for f in os.listdir(d) if f.endswith(".safetensors")}) > 1
+
+
+def _rewrite_tensor(model_dir: str, key: str, new) -> str:
+    """Replace (or drop, new=None) one tensor in the file that holds it; returns that file."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    fname = json.load(open(index))["weight_map"][key] if os.path.isfile(index) else "model.safetensors"
+    path = os.path.join(model_dir, fname)
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if new is None:
+        del tensors[key]
+        if os.path.isfile(index):
+            data = json.load(open(index))
+            del data["weight_map"][key]
+            json.dump(data, open(index, "w"))
+    else:
+        tensors[key] = new
+    save_file(tensors, path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_missing_tensor_error_names_tensor_and_files(ckpts, tmp_path, arch):
+    d = str(tmp_path / "broken")
+    shutil.copytree(ckpts[arch], d)
+    key = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite_tensor(d, key, None)
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' "
+                                              r"is missing .*safetensors"):
+        load_model(d, progress=False)
+
+
+def test_misshaped_expert_error_names_tensor_file_and_shapes(ckpts, tmp_path):
+    d = str(tmp_path / "broken")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    key = "model.layers.0.mlp.experts.5.down_proj.weight"
+    path = _rewrite_tensor(d, key, torch.zeros(64, 31))
+    with pytest.raises(CheckpointError) as e:
+        load_model(d, progress=False)
+    msg = str(e.value)
+    assert key in msg and path in msg and "[64, 31]" in msg and "[64, 32]" in msg
+
+
+def test_read_spec_of_both_families(ckpts):
+    q, qa = read_spec(ckpts["qwen3-moe"])
+    m, ma = read_spec(ckpts["mixtral"])
+    assert (q.qk_norm, m.qk_norm) == (True, False)
+    assert (q.moe.num_experts, q.moe.top_k, q.num_heads, q.num_kv_heads) == (8, 2, 8, 2)
+    assert ma.moe_block_names[0] == "block_sparse_moe" and m.moe.norm_topk_prob
+    assert q.dtype == torch.float32 and q.eos_token_ids == (0,)
+
+
+def test_qwen3_30b_preset_writes_config_only_without_force(tmp_path):
+    d = make_checkpoint(str(tmp_path / "q30"), "qwen3-moe", "qwen3-30b-a3b")
+    assert not any(f.endswith(".safetensors") for f in os.listdir(d))
+    spec, _ = read_spec(d)
+    assert (spec.num_layers, spec.moe.num_experts, spec.moe.top_k, spec.head_dim) == (48, 128, 8, 128)
+    assert spec.dtype == torch.bfloat16 and spec.vocab_size == 151936
+    with pytest.raises(ValueError, match="Qwen3-MoE"):
+        make_checkpoint(str(tmp_path / "m30"), "mixtral", "qwen3-30b-a3b")
+    with pytest.raises(ValueError, match="not empty"):
+        make_checkpoint(d, "qwen3-moe", "tiny")
+
+
+def test_tp_head_shards_cover_every_head(ckpts):
+    spec, _ = read_spec(ckpts["qwen3-moe"])  # 8 q heads, 2 kv heads
+    for W in (2, 4, 8):
+        shards = [head_shard(spec, Parallel("tp", r, W)) for r in range(W)]
+        assert [s.q_start for s in shards] == [r * 8 // W for r in range(W)]
+        for s in shards:  # every q head's kv head (h // 4) is on the same rank
+            assert all(s.kv_start <= h // 4 < s.kv_start + s.kv_heads
+                       for h in range(s.q_start, s.q_start + s.q_heads))
+    with pytest.raises(ValueError, match="divisible"):
+        head_shard(spec, Parallel("tp", 0, 3))
+    assert head_shard(spec, Parallel("dp_nvlink", 1, 2)).q_heads == 8
+    with pytest.raises(ValueError, match="local"):
+        Parallel("local", 0, 2)
+
+
+def test_sampler_greedy_top_p_and_seeds():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [2.0, 0.0, 0.0, 2.5]])
+    assert sample(logits, SamplingParams(), []).tolist() == [1, 3]
+    tiny_p = SamplingParams(temperature=5.0, top_p=1e-6)
+    gens = request_generators(0, [0, 1])
+    assert all(sample(logits, tiny_p, gens).tolist() == [1, 3] for _ in range(20))
+    hot = SamplingParams(temperature=10.0, top_p=1.0, seed=7)
+    a = [sample(logits, hot, request_generators(7, [0, 1])).tolist() for _ in range(3)]
+    assert a[0] == a[1] == a[2]  # same seed, same draws
+    g = request_generators(1, [0, 1])
+    draws = {tuple(sample(logits, hot, g).tolist()) for _ in range(50)}
+    assert len(draws) > 3  # a high temperature really samples
+    half = SamplingParams(temperature=1.0, top_p=0.5)
+    g = request_generators(3, [0])
+    assert {int(sample(logits[:1], half, g)) for _ in range(50)} == {1}  # p(1)=0.84 >= 0.5
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_assign_requests_balances_prompt_tokens():
+    assert assign_requests([5, 1, 1], 2, data_parallel=False) == [[0, 1, 2], [0, 1, 2]]
+    assert assign_requests([5, 1, 1, 4], 2, data_parallel=True) == [[0, 2], [1, 3]]  # loads 6, 5
+    assert assign_requests([3], 4, data_parallel=True) == [[0], [], [], []]
