@@ -5,6 +5,7 @@ attention; each model is compared with itself before and after the in-place swap
 """
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 import transformers as tf
@@ -313,10 +314,6 @@ def test_deepseek_v3_routing_matches_hf(E, k, n_group, topk_group, norm, scale):
     _compare_routing(hf, cfg, logits, bias)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernels.reference.route masks experts of unselected groups with 0.0; transformers 5.24's "
-    "DeepseekV3TopkRouter (and DeepSeek's own inference code) mask with -inf. They differ when an "
-    "eligible expert's biased score is negative. Drop this marker once route() masks with -inf."))
 def test_deepseek_negative_bias_group_mask():
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     hf = DeepseekV3TopkRouter(tf.DeepseekV3Config(hidden_size=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -361,3 +358,27 @@ def test_multi_rank_topology_shares_this_ranks_slice():
         for ours, theirs in ((layer.experts.gate_up_proj, gate_up), (layer.experts.down_proj, down)):
             assert ours.shape == theirs[4:].shape and ours.data_ptr() == theirs[4].data_ptr()
             assert ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("hooked_before_swap", [True, False])
+def test_router_logits_and_aux_loss(family, hooked_before_swap):
+    """output_router_logits=True: the same per-layer router logits and aux loss as HF, whether HF
+    installed its recording hooks before the swap (on its routers) or installs them after."""
+    model = tiny_model(family, **({} if family == "mixtral" else {"norm_topk_prob": True}))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        if hooked_before_swap:
+            ref = model(ids, labels=ids, output_router_logits=True)
+        else:
+            ref = copy.deepcopy(model)(ids, labels=ids, output_router_logits=True)
+            assert not getattr(model, "_output_capturing_hooks_installed", False)
+        swap_moe_layers(model)
+        out = model(ids, labels=ids, output_router_logits=True)
+        plain = model(ids)
+    assert len(ref.router_logits) == len(out.router_logits) == 2
+    for a, b in zip(out.router_logits, ref.router_logits):
+        assert a.dtype == b.dtype and a.shape == b.shape and rel_err(a, b) <= 1e-5
+    if ref.aux_loss is not None:  # DeepSeek-V3's head computes no aux loss
+        assert rel_err(out.aux_loss, ref.aux_loss) <= 1e-5 and rel_err(out.loss, ref.loss) <= 1e-5
+    assert plain.router_logits is None

@@ -117,7 +117,7 @@ def _naive_route(logits, k, scoring, norm, bias, n_group, topk_group, scale):
             keep = sorted(range(n_group), key=lambda i: (-float(gs[i]), i))[:topk_group]
             mask = torch.zeros(n_group, dtype=torch.bool)
             mask[keep] = True
-            c = torch.where(mask.repeat_interleave(E // n_group), c, torch.zeros_like(c))
+            c = torch.where(mask.repeat_interleave(E // n_group), c, torch.full_like(c, float("-inf")))
         order = sorted(range(E), key=lambda e: (-float(c[e]), e))[:k]
         w = s[order]
         if norm:
@@ -138,7 +138,7 @@ def test_route_reference_matches_naive(T, E, k, scoring, norm, groups, seed):
     k = min(k, topk_group * E // n_group)
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
-    bias = torch.randn(E, generator=g) * 0.1 if scoring == "sigmoid" else None
+    bias = torch.randn(E, generator=g) if scoring == "sigmoid" else None
     scale = 2.5 if scoring == "sigmoid" else 1.0
     ids, w, counts = R.route(logits, k, scoring=scoring, norm_topk_prob=norm, correction_bias=bias,
                              n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale)

@@ -37,8 +37,8 @@ def route(
         scoring: "softmax" (Mixtral, Qwen2/3-MoE, OLMoE: softmax over all E, then top-k) or
             "sigmoid" (DeepSeek-V3: sigmoid scores; the choice uses score + correction_bias,
             restricted to the best `topk_group` of `n_group` groups, a group scored by the sum
-            of its two best biased scores; masked experts get 0.0 as in HF transformers'
-            DeepseekV3MoE.route_tokens_to_experts).
+            of its two best biased scores; experts of the other groups get -inf, as in HF
+            transformers 5.x DeepseekV3TopkRouter / DeepseekV3MoE.route_tokens_to_experts).
         norm_topk_prob: divide the k weights by their sum (sigmoid: sum + 1e-20).
         routed_scaling_factor: multiplies the final weights.
 
@@ -60,7 +60,7 @@ def route(
             group_idx = _topk_ids(group_scores, topk_group)
             group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
             keep = group_mask.bool().unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
-            choice = choice.masked_fill(~keep, 0.0)
+            choice = choice.masked_fill(~keep, float("-inf"))
     else:
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     ids = _topk_ids(choice, top_k)

@@ -7,7 +7,7 @@ Semantics are those of moe_runtime.kernels.reference.route (HF transformers' rou
   softmax: scores = softmax(logits) in fp32; choice = scores.
   sigmoid: scores = sigmoid(logits); choice = scores + correction_bias; with N_GROUP > 1 a group
       is scored by the sum of its two best choices, the best TOPK_GROUP groups are kept and
-      the other experts' choice becomes 0.0 (DeepseekV3MoE.route_tokens_to_experts).
+      the other experts' choice becomes -inf (transformers 5.x DeepseekV3MoE.route_tokens_to_experts).
   ids = the K largest choices in descending order, ties to the smaller expert id;
   weights = scores at ids, / their sum (sigmoid: sum + 1e-20) if NORM, * routed_scaling_factor.
 One warp per token (grid-stride over tokens): lane l holds experts [l * PER_LANE, +PER_LANE),
@@ -157,7 +157,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
                     in_g = (e >= g * GSZ) & (e < (g + 1) * GSZ)
                     keep = keep | (in_g & (better < TOPK_GROUP))
                 if e < E:
-                    choice[q] = choice[q] if keep else Float32(0.0)
+                    choice[q] = choice[q] if keep else neg_inf
         # ---- K rounds of arg-max
         my_id = Int32(0)
         my_s = Float32(0.0)
