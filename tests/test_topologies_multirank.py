@@ -262,7 +262,7 @@ def test_stalled_peer_raises_within_timeout(pools, topo_name, use_call_timeout):
     (err, secs), (none, _) = pools(2).run(w_stall, topo_name, use_call_timeout, timeout_s=30)
     assert err is not None and none is None
     assert "rank 0/2" in err and f"{topo_name}." in err, err
-    assert secs < 1.0 + 1.0, secs  # the bound is 1 s
+    assert secs < 1.0 + 3.0, secs  # the bound is 1 s; slack for a loaded CI machine
 
 
 def test_needs_initialized_group_or_local():

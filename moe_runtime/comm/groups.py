@@ -4,6 +4,9 @@ Every collective here is bounded: the group is created with a timeout, and each 
 its own `timeout_s` (a wait on the async work). A peer that never joins surfaces as a
 `CollectiveError` naming this rank and the step, never as a hang. After such an error the
 group's state is undefined (gloo closes the pairs): build a new group before using it again.
+
+gloo implements all_to_all_single (uneven split sizes, zero-row chunks, fp32/bf16/int64) in
+torch 2.13 CPU, so the DP topologies use it directly on both gloo and nccl.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from .distributed import (BackendNotImplementedError, DataParallelTopology, Grou
 from .dp_nvlink import DPNVLinkTopology
 from .dp_p2p import DPP2PTopology
 from .local import LocalTopology
+from .select import ClusterInfo, ParallelConfig, Selection, select_topology
 from .tp import TPTopology
 
 TOPOLOGIES: dict[str, type[Topology]] = {
@@ -58,4 +59,5 @@ __all__ = [
     "TOPOLOGIES", "make_topology", "Topology", "DispatchResult", "validate_routing",
     "LocalTopology", "TPTopology", "DPNVLinkTopology", "DPP2PTopology", "DataParallelTopology",
     "GroupTopology", "BackendNotImplementedError", "resolve_group_backend",
+    "ClusterInfo", "ParallelConfig", "Selection", "select_topology",
 ]
