@@ -146,6 +146,28 @@ def test_misshaped_expert_error_names_tensor_file_and_shapes(ckpts, tmp_path):
     assert key in msg and path in msg and "[64, 31]" in msg and "[64, 32]" in msg
 
 
+def _load_rank(rank: int, world_size: int, model_dir: str):
+    """Load rank's share under dp_nvlink; ("ok", expert range) or ("error", message)."""
+    try:
+        m = load_model(model_dir, Parallel("dp_nvlink", rank, world_size), progress=False)
+    except CheckpointError as e:
+        return "error", str(e)
+    r = m.layers[0].mlp.local_expert_range
+    return "ok", [r.start, r.stop]
+
+
+def test_each_rank_reads_only_its_own_experts(ckpts, tmp_path):
+    """Expert 7 is misshaped: rank 1 of 2 (experts 4..7) must fail, rank 0 must never read it."""
+    from _dist import run_distributed
+    d = str(tmp_path / "broken")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    key = "model.layers.1.mlp.experts.7.gate_proj.weight"
+    _rewrite_tensor(d, key, torch.zeros(33, 64))
+    res = run_distributed(_load_rank, 2, d)
+    assert res[0] == ("ok", [0, 4])
+    assert res[1][0] == "error" and key in res[1][1] and "[33, 64]" in res[1][1]
+
+
 def test_read_spec_of_both_families(ckpts):
     q, qa = read_spec(ckpts["qwen3-moe"])
     m, ma = read_spec(ckpts["mixtral"])
