@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from _dist import DistPool
+from _dist import DistPool, RankError, run_distributed
 from moe_runtime.comm import CollectiveError
 from moe_runtime.topologies import (BackendNotImplementedError, LocalTopology, make_topology)
 
@@ -147,6 +147,20 @@ def w_stall(rank, world, topo_name, use_call_timeout):
     return None, time.monotonic() - t0
 
 
+def w_raise_on_rank1(rank, world):
+    if rank == 1:
+        raise KeyError("planted failure")
+    return rank
+
+
+def w_rank(rank, world):
+    return rank
+
+
+def w_hang(rank, world):
+    time.sleep(600)
+
+
 # ---------------------------------------------------------------------------------------------
 _pools: dict[int, DistPool] = {}
 
@@ -271,3 +285,14 @@ def test_needs_initialized_group_or_local():
     with pytest.raises(ValueError, match=r"\['dp_nvlink', 'dp_p2p', 'local', 'tp'\]"):
         make_topology("ep", E)
     assert make_topology("local", E).world_size == 1
+
+
+def test_dist_helper_reports_child_traceback_and_hang(pools):
+    pool = pools(2)
+    with pytest.raises(RankError, match=r"(?s)--- rank 1 ---.*w_raise_on_rank1.*planted failure"):
+        pool.run(w_raise_on_rank1)
+    assert pool.run(w_rank) == [0, 1]  # the pool is still usable
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not answer within 1.0s"):
+        run_distributed(w_hang, 1, timeout_s=1.0)
+    assert time.monotonic() - t0 < 60
