@@ -25,8 +25,11 @@ Differences from the HF module, by design:
       and OLMoE round the weights to the activation dtype first and accumulate per expert in the
       activation dtype. In fp32 the two agree to rounding; in bf16 they differ by bf16 rounding.
     * Mixtral's `router_jitter_noise` (training only) is not applied.
-    * `output_router_logits=True` no longer records router logits: HF records them with forward hooks
-      on its router classes, which the swapped model no longer contains.
+    * `output_router_logits=True`: HF records router logits with forward hooks on its router
+      classes, which the swapped model no longer contains; each replacement's router therefore has
+      a forward pre-hook that recomputes its logits [T, E] (Router.logits, HF's dtype) and appends
+      them to transformers' active output collector (a private transformers 5.x API; without it
+      the hook is not installed). The cost is one extra router GEMM, only on calls that ask for them.
 """
 from __future__ import annotations
 
@@ -208,4 +211,22 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     if left:  # every tensor must come from the HF block
         raise RuntimeError(f"{fam.name}: no HF tensor for {left}")
     layer.train(block.training)
+    if _output_collector() is not None:
+        layer.router.register_forward_pre_hook(_record_router_logits)
     return layer
+
+
+def _output_collector():
+    """transformers' context variable of the outputs being recorded, or None where it is absent."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+def _record_router_logits(router: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: append router logits [T, E] where the model records "router_logits"."""
+    collected = _output_collector().get()
+    if collected is not None and "router_logits" in collected:
+        collected["router_logits"].append(router.logits(args[0]))

@@ -6,6 +6,7 @@ attention; each model is compared with itself before and after the in-place swap
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
 import transformers as tf
@@ -56,13 +57,13 @@ def hf_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def randomize_bias(model: nn.Module, seed: int) -> None:
-    """DeepSeek-V3 initializes e_score_correction_bias to 0; give it random non-negative values
-    (non-negative: see test_deepseek_negative_bias_group_mask for why)."""
+    """DeepSeek-V3 initializes e_score_correction_bias to 0; give it random values of both signs
+    (a negative biased score is where a 0.0 group mask and HF's -inf differ)."""
     g = torch.Generator().manual_seed(seed)
     for block in hf_blocks(model):
         bias = getattr(block.gate, "e_score_correction_bias", None)
         if bias is not None:
-            bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
+            bias.copy_(torch.randn(bias.shape, generator=g) * 0.5)
 
 
 def tiny_model(family: str, norm_topk_prob=None, seed: int = 0, **over):
@@ -211,7 +212,7 @@ def _init_block(block: nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
         bias = getattr(block.gate, "e_score_correction_bias", None)
         if bias is not None:
-            bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
+            bias.copy_(torch.randn(bias.shape, generator=g) * 0.5)
 
 
 def _check_block(block: nn.Module, hidden: int, seed: int) -> None:
@@ -306,7 +307,7 @@ def test_deepseek_v3_routing_matches_hf(E, k, n_group, topk_group, norm, scale):
         topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=scale))
     g = torch.Generator().manual_seed(E + k + n_group)
     logits = torch.randn(64, E, generator=g) * 2
-    bias = torch.rand(E, generator=g) * 0.5
+    bias = torch.randn(E, generator=g) * 0.5
     cfg = MoEConfig(hidden_size=E, num_experts=E, top_k=k, moe_intermediate_size=1, scoring="sigmoid",
                     norm_topk_prob=norm, n_group=n_group, topk_group=topk_group,
                     routed_scaling_factor=scale, use_correction_bias=True, router_logits_fp32=True,
