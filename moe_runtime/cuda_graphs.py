@@ -70,22 +70,25 @@ def storage_fingerprint(module: nn.Module) -> tuple[int, ...]:
                  for d in (m._parameters, m._buffers) for t in d.values() if t is not None)
 
 
-def cuda_graph_capture(pool, *, warmup: int = 2) -> CaptureFn:
+def cuda_graph_capture(pool, stream: torch.cuda.Stream, *, warmup: int = 2) -> CaptureFn:
     """A `CaptureFn` that records `fn(x_static)` into a `torch.cuda.CUDAGraph` in `pool`.
 
-    `fn` first runs `warmup` times on a side stream (first-call work such as kernel compilation,
-    cuBLAS/CUTLASS workspace set-up and lazy probes happens there, outside the capture).
+    `fn` first runs `warmup` times on `stream`, then is captured on that same stream: first-call
+    work (kernel compilation, cuBLAS/CUTLASS workspaces, lazy probes, and the per-stream
+    workspaces of the CuTeDSL kernels, see sync/host.py) happens there, outside the capture, and
+    the captured launches use the workspaces that warm-up created. Replays run on the caller's
+    current stream.
     """
     def capture(fn, x_static):
-        side = torch.cuda.Stream(device=x_static.device)
-        side.wait_stream(torch.cuda.current_stream(x_static.device))
-        with torch.cuda.stream(side):
+        current = torch.cuda.current_stream(x_static.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             for _ in range(warmup):
                 fn(x_static)
-        torch.cuda.current_stream(x_static.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = fn(x_static)
+        current.wait_stream(stream)
         return graph.replay, out
     return capture
 
@@ -125,6 +128,7 @@ class BucketedGraphs:
         self._static_in: Optional[torch.Tensor] = None
         self._key: Hashable = None
         self._pool = None
+        self._stream: Optional[torch.cuda.Stream] = None  # warm-up and capture stream
         self.num_captures = 0  # graphs captured so far, recaptures included
 
     @property
@@ -192,7 +196,9 @@ class BucketedGraphs:
         if capture_fn is None:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            capture_fn = cuda_graph_capture(self._pool)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+            capture_fn = cuda_graph_capture(self._pool, self._stream)
         # normal (non-inference) outputs, whatever mode the first call came in
         with torch.inference_mode(False), torch.no_grad():
             self._graphs[b] = capture_fn(self.fn, self._static_in[:b])
