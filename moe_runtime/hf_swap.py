@@ -25,6 +25,8 @@ Differences from the HF module, by design:
       and OLMoE round the weights to the activation dtype first and accumulate per expert in the
       activation dtype. In fp32 the two agree to rounding; in bf16 they differ by bf16 rounding.
     * Mixtral's `router_jitter_noise` (training only) is not applied.
+    * state_dict keys follow MoELayer (`mlp.router.weight`, `mlp.shared_expert.gate.weight`, ...),
+      not HF's (`mlp.gate.weight`, `mlp.shared_expert_gate.weight`): save checkpoints before the swap.
     * `output_router_logits=True`: HF records router logits with forward hooks on its router
       classes, which the swapped model no longer contains; each replacement's router therefore has
       a forward pre-hook that recomputes its logits [T, E] (Router.logits, HF's dtype) and appends

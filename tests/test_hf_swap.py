@@ -383,3 +383,15 @@ def test_router_logits_and_aux_loss(family, hooked_before_swap):
     if ref.aux_loss is not None:  # DeepSeek-V3's head computes no aux loss
         assert rel_err(out.aux_loss, ref.aux_loss) <= 1e-5 and rel_err(out.loss, ref.loss) <= 1e-5
     assert plain.router_logits is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_greedy_generate_unchanged(family):
+    """generate() with a KV cache (prefill, then one-token decode steps) picks the same tokens."""
+    model = tiny_model(family, True)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        out = swap_moe_layers(model).generate(ids, **kw)
+    assert ref.shape == (2, 11) and torch.equal(out, ref)
