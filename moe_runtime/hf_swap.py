@@ -45,6 +45,7 @@ from .layer import MoELayer
 
 _MODELS = "transformers.models"
 _LAYER_KWARGS = ("backend", "group", "align")
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,11 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
 
     Raises:
         TypeError: a keyword other than backend/group/align.
-        ValueError: the model holds an MoE block (a module with an `experts` child) of a class not
-            in the table above (the message names it and lists the supported ones), a supported
-            block that deviates from the supported form (activation other than SiLU, unfused or
-            biased experts, pre-5.0 transformers layout), or no MoE block at all.
+        ValueError: the model holds an MoE block (a module with an `experts` child) of a class
+            not in the module docstring's table (the message names it and lists the supported
+            ones), a supported block that deviates from the supported form (activation other than
+            SiLU, unfused or biased experts, pre-5.0 transformers layout), or no MoE block at all.
+            Nothing is replaced when it raises. Errors of MoELayer / the topology pass through.
     """
     bad = sorted(set(kw) - set(_LAYER_KWARGS))
     if bad:
@@ -186,8 +188,6 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         shared_expert_intermediate_size=shared_size, shared_expert_gate=fam.shared_gate is not None,
         router_logits_fp32=fam.router_logits_fp32, dtype=experts.gate_up_proj.dtype)
 
-
-_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer:
