@@ -90,6 +90,7 @@ class DataParallelTopology(GroupTopology):
     expert_x [N_recv + E_local * (align - 1), H] (x.dtype) holding the rows every rank sent to
     this rank's experts, expert_offsets int32 [E_local + 1]. combine(expert_y [>= N, H]) ->
     y [T, H] in expert_y.dtype for this rank's own tokens. See the module docstring.
+    Every rank must use the same H and x.dtype (and the same expert_y dtype in combine).
 
     Raises (besides validation): CollectiveError when a peer stalls or dies.
     """
