@@ -196,8 +196,9 @@ def fake_stream():
 
 def compile_tvm(entry, *args, arch: str | None = None):
     """cute.compile with TVM-FFI (torch tensors in, current torch stream) for `arch`
-    (None: the detected GPU; CPU CI passes "sm_90a" / "sm_100a")."""
-    opts = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    (None: the detected GPU; CPU CI passes "sm_90a" / "sm_100a" and then also gets the PTX
+    kept as `f.__ptx__` for its checks)."""
+    opts = "--enable-tvm-ffi" + (f" --gpu-arch {arch} --keep-ptx" if arch else "")
     return cute.compile(entry, *args, options=opts)
 
 

@@ -1,0 +1,105 @@
+"""CPU CI: every multi-rank kernel configuration compiles for sm_90a and sm_100a (no GPU needed),
+and its PTX holds what the protocol relies on. The NVLS kernel is compiled only: its PTX must
+contain the multimem instructions; it is never launched anywhere.
+
+Configurations: W in {2, 4, 8} virtual ranks (n_local = W, CTAs per rank as on a 132-SM H200)
+and one real-rank layout (n_local = 1); the dispatch/combine in decode (one cooperative launch)
+and prefill (one launch per phase) modes; one-shot, two-shot and fused tp all-reduce.
+"""
+import re
+
+import pytest
+
+pytest.importorskip("cutlass")
+pytest.importorskip("tvm_ffi")
+
+from moe_runtime.kernels import allreduce as ar  # noqa: E402
+from moe_runtime.kernels import ep_combine as ec  # noqa: E402
+from moe_runtime.kernels import ep_dispatch as ed  # noqa: E402
+from moe_runtime.kernels import nvls_allreduce as nv  # noqa: E402
+
+# Compile for real: never load a binary from the DSL's on-disk cache (a test that only loaded
+# would not show that the current source compiles).
+from cutlass.cutlass_dsl import CuTeDSL  # noqa: E402
+
+CuTeDSL._get_dsl().envar.disable_file_caching = True
+
+ARCHS = ("sm_90a", "sm_100a")
+SMS = 132
+H, K, E = 7168, 8, 256
+V4LD = r"ld\.global(\.L1::no_allocate)?\.v4\.b32|ld\.global\.v8\.b32"
+V4ST = r"st\.global\.v4\.b32|st\.global\.v8\.b32"
+REL, ACQ = r"st\.release\.sys\.global", r"ld\.acquire\.sys\.global"
+GENERIC = r"\s(ld|st)\.v4\."          # a raw pointer without AddressSpace.gmem
+DEPOT = r"__local_depot"              # register arrays spilled to local memory
+
+# (world, n_local): virtual ranks, plus a real rank's own launch
+LAYOUTS = [(2, 2), (4, 4), (8, 8), (8, 1)]
+
+
+def _cpr(n_local, fused):
+    return SMS // n_local if fused else 4 * SMS // n_local
+
+
+def _check(f, arch, expect, forbid=(GENERIC, DEPOT)):
+    ptx = f.__ptx__ or ""
+    assert ptx, "no PTX kept"
+    target = re.search(r"\.target\s+(\S+)", ptx)
+    assert target and target.group(1) == arch, f"PTX target {target and target.group(1)}, want {arch}"
+    missing = [p for p in expect if not re.search(p, ptx)]
+    present = [p for p in forbid if re.search(p, ptx)]
+    assert not missing and not present, f"PTX missing {missing}, forbidden present {present}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("world,n_local", LAYOUTS)
+def test_dispatch_compiles(arch, world, n_local):
+    El = E // world
+    f = ed.compile_dispatch(ed.PH_ALL, H, K, world, El, ed.DECODE_CHUNK, _cpr(n_local, True),
+                            n_local, 1, "bfloat16", arch)
+    _check(f, arch, [V4LD, V4ST, REL, ACQ, r"atom\.global", r"globaltimer", r"nanosleep"])
+    expect = {ed.PH_COUNT: [r"atom\.global", REL], ed.PH_PUBLISH: [REL, ACQ],
+              ed.PH_SEND: [V4LD, V4ST, REL], ed.PH_RECV: [V4LD, V4ST, ACQ]}
+    for ph in ed.PREFILL_PHASES:
+        f = ed.compile_dispatch(ph, H, K, world, El, ed.PREFILL_CHUNK, _cpr(n_local, False),
+                                n_local, 1, "bfloat16", arch)
+        _check(f, arch, expect[ph])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("world,n_local", LAYOUTS)
+def test_combine_compiles(arch, world, n_local):
+    El = E // world
+    f = ec.compile_combine(ec.PH_CALL, H, K, world, El, ed.DECODE_CHUNK, _cpr(n_local, True),
+                           n_local, "bfloat16", arch)
+    _check(f, arch, [V4LD, V4ST, REL, ACQ, r"fma\.rn\.f32|add\.f32"])
+    for ph, exp in ((ec.PH_CSEND, [V4LD, V4ST, REL]), (ec.PH_CREDUCE, [V4LD, V4ST, ACQ])):
+        f = ec.compile_combine(ph, H, K, world, El, ed.PREFILL_CHUNK, _cpr(n_local, False),
+                               n_local, "bfloat16", arch)
+        _check(f, arch, exp)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("world,n_local", LAYOUTS)
+def test_allreduce_compiles(arch, world, n_local):
+    for algo in (ar.ONESHOT, ar.TWOSHOT, ar.FUSED):
+        f = ar.compile_allreduce(algo, H, K, world, _cpr(n_local, True), n_local, "bfloat16", arch)
+        _check(f, arch, [V4LD, V4ST, REL, ACQ])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvls_ptx_has_multimem(arch):
+    f = nv.compile_nvls_allreduce(8, SMS, arch)
+    ptx = f.__ptx__ or ""
+    assert re.search(r"\.target\s+" + arch, ptx)
+    missing = [p for p in nv.PTX_EXPECTED if not re.search(p, ptx)]
+    assert not missing, f"multimem instructions missing from the NVLS PTX: {missing}"
+
+
+def test_nvls_refused_when_disabled(monkeypatch):
+    from moe_runtime.comm.peer_buffers import nvls_allowed
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    ok, why = nvls_allowed()
+    assert not ok and "TORCH_SYMM_MEM_DISABLE_MULTICAST" in why
+    with pytest.raises(RuntimeError, match="not allowed"):
+        nv.nvls_all_reduce()
