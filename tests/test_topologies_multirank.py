@@ -303,9 +303,22 @@ def test_stalled_peer_raises_within_timeout(pools, topo_name, use_call_timeout):
     assert secs < 1.0 + 3.0, secs  # the bound is 1 s; slack for a loaded CI machine
 
 
-def test_needs_initialized_group_or_local():
-    with pytest.raises(RuntimeError, match="not initialized"):
-        make_topology("dp_p2p", E)
+@pytest.mark.parametrize("topo_name", TOPOS)
+def test_single_process_without_torch_distributed(topo_name):
+    # group=None and no initialized torch.distributed: a world of one rank, same answers
+    assert not torch.distributed.is_initialized()
+    case = dict(BASE, T=[9], dtype=torch.bfloat16, align=4, experts="scale", seed=21)
+    topo = make_topology(topo_name, E, align=4, backend="reference")
+    assert (topo.rank, topo.world_size, topo.num_local_experts) == (0, 1, E)
+    x, ids, w, _ = make_batch(case, 1)
+    res, ref = topo.dispatch(x, ids, w), LocalTopology(E, align=4).dispatch(x, ids, w)
+    assert torch.equal(res.expert_offsets, ref.expert_offsets)
+    y = topo.combine(run_experts("scale", res.expert_x, res.expert_offsets, 0), res)
+    assert torch.equal(y, LocalTopology(E, align=4).combine(
+        run_experts("scale", ref.expert_x, ref.expert_offsets, 0), ref))
+
+
+def test_make_topology_names():
     with pytest.raises(ValueError, match=r"\['dp_nvlink', 'dp_p2p', 'local', 'tp'\]"):
         make_topology("ep", E)
     assert make_topology("local", E).world_size == 1

@@ -5,6 +5,10 @@ its own `timeout_s` (a wait on the async work). A peer that never joins surfaces
 `CollectiveError` naming this rank and the step, never as a hang. After such an error the
 group's state is undefined (gloo closes the pairs): build a new group before using it again.
 
+`group=None` means the default group; when torch.distributed is not initialized it means a
+world of one rank (this process): the collectives below are then local copies, so a
+multi-rank topology also runs in a plain single process.
+
 gloo implements all_to_all_single (uneven split sizes, zero-row chunks, fp32/bf16/int64) in
 torch 2.13 CPU, so the DP topologies use it directly on both gloo and nccl.
 """
@@ -75,17 +79,23 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] =
                           timeout=_timedelta(timeout_s))
 
 
+def _alone(group) -> bool:
+    """group=None without an initialized torch.distributed: a world of this process only."""
+    return group is None and not (dist.is_available() and dist.is_initialized())
+
+
 def group_rank_size(group=None) -> tuple[int, int]:
-    """(rank in group, group size) for a ProcessGroup, or the default group when None.
+    """(rank in group, group size) for a ProcessGroup, or the default group when None
+    ((0, 1) when torch.distributed is not initialized and group is None).
 
     Raises:
-        RuntimeError: torch.distributed is not initialized.
+        RuntimeError: a group is given but torch.distributed is not initialized.
         ValueError: this process is not a member of `group`.
     """
+    if _alone(group):
+        return 0, 1
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call "
-                           "moe_runtime.comm.init_process_group(rank, world_size) first, or use "
-                           "the 'local' topology for a single rank")
+        raise RuntimeError("a process group was given but torch.distributed is not initialized")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not in the group")
@@ -121,6 +131,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *,
     Raises:
         CollectiveError: failure or timeout, naming this rank and `step`.
     """
+    if _alone(group):
+        return output.copy_(input)
     _bounded(step, group, timeout_s, lambda: dist.all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, group=group, async_op=True))
     return output
@@ -129,6 +141,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *,
 def all_reduce_sum(t: torch.Tensor, *, group=None, step: str = "all_reduce",
                    timeout_s: Optional[float] = None) -> torch.Tensor:
     """Bounded in-place SUM all-reduce of `t`; returns `t`. Raises CollectiveError."""
+    if _alone(group):
+        return t
     _bounded(step, group, timeout_s,
              lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True))
     return t
@@ -140,6 +154,8 @@ def all_gather_object(obj: Any, *, group=None, step: str = "all_gather_object") 
     Raises:
         CollectiveError: failure or timeout, naming this rank and `step`.
     """
+    if _alone(group):
+        return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(out, obj, group=group)

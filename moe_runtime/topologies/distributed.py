@@ -60,7 +60,8 @@ class GroupTopology(Topology):
 
     Args:
         num_experts: E; rank r owns experts [r * E/W, (r + 1) * E/W).
-        group: a ProcessGroup, or None for the default group (must be initialized).
+        group: a ProcessGroup, or None for the default group (a world of one rank when
+            torch.distributed is not initialized).
         align: per-expert segment alignment in rows (>= 1).
         backend: "reference", "auto" (-> "reference" for now) or "cute" (not implemented yet).
         timeout_s: bound on each collective call; None = the group's own timeout.
@@ -68,7 +69,7 @@ class GroupTopology(Topology):
     Raises:
         ValueError: unknown backend; num_experts % world_size != 0; align < 1.
         BackendNotImplementedError: backend "cute".
-        RuntimeError: group is None and torch.distributed is not initialized.
+        RuntimeError: a group is given but torch.distributed is not initialized.
     """
 
     def __init__(self, num_experts: int, *, group=None, align: int = 1, backend: str = "auto",
