@@ -114,6 +114,8 @@ class Engine:
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if topology not in TOPOLOGY_CHOICES:
             raise ValueError(f"topology must be one of {TOPOLOGY_CHOICES}, got {topology!r}")
+        if topology != "auto":
+            choose_topology(topology, world_size, [])  # bad combinations fail before Ray starts
         self.model_dir, self.world_size, self.timeout_s = model_dir, world_size, timeout_s
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.workers: list = []

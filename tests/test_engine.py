@@ -1,0 +1,213 @@
+"""Engine + RankWorker Ray actors on CPU: greedy ids equal HF transformers generate for world
+size 1 (local), 2 and 4 (tp, dp_nvlink, dp_p2p); stop tokens; seeded sampling independent of
+the topology; faults (a rank that raises, a misshaped tensor) end in a RankError naming the rank
+with every actor gone. One Ray instance serves the whole file; engines are reused across
+topologies through Engine.load()."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from moe_runtime.engine import Engine, RankError, SamplingParams  # noqa: E402
+from moe_runtime.models.make_checkpoint import make_checkpoint  # noqa: E402
+
+# different lengths; 5 prompts so that 4 dp ranks get uneven shares
+PROMPTS = ["The quick brown fox jumps over the lazy dog. Once upon a time",
+           "Hello", "A mixture of experts model sends", "Greedy decoding takes the most likely token",
+           "Rotary position"]
+NEW = 12
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=16, num_gpus=0, include_dashboard=False, object_store_memory=100 * 1024 ** 2,
+             logging_level=logging.WARNING)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("engine") / "qwen3"), "qwen3-moe", "tiny")
+
+
+def hf_greedy(model_dir, prompts, new_tokens, eos_token_id=None):
+    """HF generate(do_sample=False), one prompt at a time; generated ids cut after EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        g = hf.generate(ids, do_sample=False, max_new_tokens=new_tokens, pad_token_id=tok.eos_token_id,
+                        **({} if eos_token_id is None else {"eos_token_id": eos_token_id}))
+        g = g[0, ids.shape[1]:].tolist()
+        out.append(g[:g.index(eos_token_id) + 1] if eos_token_id in g else g)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return hf_greedy(ckpt, PROMPTS, NEW)
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session, ckpt):
+    """Engines by world size, started on first use and shut down at the end of the module."""
+    made: dict[int, Engine] = {}
+
+    def get(world_size: int, topology: str) -> Engine:
+        if world_size not in made:
+            made[world_size] = Engine(ckpt, world_size=world_size, topology=topology, progress=False)
+        eng = made[world_size]
+        if eng.topology != topology:
+            eng.load(topology)
+        return eng
+
+    yield get
+    for eng in made.values():
+        eng.shutdown()
+
+
+def ids_of(result):
+    return [c.token_ids for c in result.completions]
+
+
+@pytest.mark.parametrize("world_size,topology", [
+    (1, "local"), (2, "tp"), (2, "dp_nvlink"), (2, "dp_p2p"), (4, "tp"), (4, "dp_nvlink"), (4, "dp_p2p")])
+def test_greedy_ids_equal_hf_generate(engines, reference, world_size, topology):
+    eng = engines(world_size, topology)
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    assert ids_of(res) == reference
+    assert res.topology == topology and res.world_size == world_size
+    assert [c.finish_reason for c in res.completions] == ["length"] * len(PROMPTS)
+    assert res.prefill_tokens == sum(len(eng.tokenizer(p)["input_ids"]) for p in PROMPTS)
+    assert res.decode_tokens == len(PROMPTS) * (NEW - 1) and res.decode_tokens_per_s > 0
+    experts = sorted(tuple(i["experts"]) for i in eng.rank_info)
+    want = [(r * 8 // world_size, (r + 1) * 8 // world_size) for r in range(world_size)]
+    assert experts == want  # experts partitioned across the ranks
+
+
+def test_dp_ranks_without_requests_still_step(engines, reference):
+    """4 dp ranks, 2 prompts: two ranks own nothing and must still join every MoE collective."""
+    eng = engines(4, "dp_p2p")
+    res = eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=NEW))
+    assert ids_of(res) == reference[:2]
+    assert sorted(len(o.request_ids) for o in res.per_rank) == [0, 0, 1, 1]
+    assert len({o.steps for o in res.per_rank}) == 1  # lockstep
+
+
+def test_stop_token_finishes_requests_at_different_steps(engines, ckpt, reference):
+    stop = reference[0][4]
+    want = hf_greedy(ckpt, PROMPTS, NEW, eos_token_id=stop)
+    eng = engines(2, "dp_nvlink")
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,)))
+    assert ids_of(res) == want
+    assert res.completions[0].finish_reason == "stop" and len(res.completions[0].token_ids) == 5
+
+
+def test_seeded_sampling_is_the_same_on_every_topology(engines):
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.95, seed=11)
+    runs = {topo: ids_of(engines(w, topo).generate(PROMPTS, params))
+            for w, topo in [(1, "local"), (2, "tp"), (2, "dp_p2p")]}
+    assert runs["local"] == runs["tp"] == runs["dp_p2p"]
+    other = ids_of(engines(1, "local").generate(PROMPTS, SamplingParams(
+        max_new_tokens=NEW, temperature=0.9, top_p=0.95, seed=12)))
+    assert other != runs["local"]
+    greedy = ids_of(engines(1, "local").generate(PROMPTS, SamplingParams(max_new_tokens=NEW)))
+    assert greedy != runs["local"]
+
+
+def test_mixtral_tp_equals_hf_generate(ray_session, tmp_path):
+    d = make_checkpoint(str(tmp_path / "mixtral"), "mixtral", "tiny", max_shard_size="100KB")
+    with Engine(d, world_size=2, topology="tp", progress=False) as eng:
+        res = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=8))
+    assert ids_of(res) == hf_greedy(d, PROMPTS[:3], 8)
+
+
+def _wait_gone(pids, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and _state(p) != "Z"]
+        time.sleep(0.2)
+    return alive
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_rank_that_raises_fails_the_driver_naming_the_rank(ray_session, ckpt):
+    eng = Engine(ckpt, world_size=2, topology="tp", progress=False, timeout_s=60)
+    pids = list(eng.worker_pids)
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 failed during generate: RuntimeError: injected fault") as e:
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), fail_at_step={1: 2})
+    assert time.monotonic() - t0 < 30  # rank 0 is stuck in a collective; the driver does not wait for it
+    assert e.value.rank == 1
+    assert _wait_gone(pids) == []
+    assert eng.workers == [] and eng.placement_group is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    eng.shutdown()
+
+
+def test_misshaped_expert_on_one_rank_fails_load_naming_rank_and_tensor(ray_session, ckpt, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    d = str(tmp_path / "broken")
+    shutil.copytree(ckpt, d)
+    path = os.path.join(d, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = "model.layers.0.mlp.experts.6.up_proj.weight"  # expert 6: rank 1 of 2
+    tensors[key] = torch.zeros(32, 65)
+    save_file(tensors, path)
+    before = _rank_worker_pids()
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        Engine(d, world_size=2, topology="dp_nvlink", progress=False, timeout_s=60)
+    msg = str(e.value)
+    assert e.value.rank == 1 and "CheckpointError" in msg and key in msg and path in msg, msg
+    assert "[32, 65]" in msg and "[32, 64]" in msg
+    assert time.monotonic() - t0 < 60
+    # the failed engine's actors are gone: only the shared engines' RankWorkers remain
+    deadline = time.monotonic() + 20
+    while not _rank_worker_pids() <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _rank_worker_pids() <= before
+
+
+def _rank_worker_pids() -> set[int]:
+    """Live processes whose title Ray set to `ray::RankWorker...` (one per rank actor)."""
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::RankWorker") and _state(pid) != "Z":
+                        out.add(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+def test_bad_topology_for_world_size_fails_before_ray_work(ckpt):
+    with pytest.raises(ValueError, match="local"):
+        Engine(ckpt, world_size=2, topology="local")
+    with pytest.raises(ValueError, match="topology"):
+        Engine(ckpt, world_size=1, topology="nvls")
