@@ -377,6 +377,18 @@ class PeerBuffers:
         self.broken = None
         self._last_dispatch = None
 
+    def cached(self, key, make):
+        """Small device tensors (token offsets, address tables) kept per key, so repeated calls
+        make no host-to-device copies (and can be captured in a CUDA graph once warmed up).
+        Address-table keys hold data pointers: a freed-and-reused pointer maps to the same
+        address, which is exactly what the table needs. Bounded to 256 entries."""
+        c = self.__dict__.setdefault("_cache", {})
+        if key not in c:
+            if len(c) >= 256:
+                c.clear()
+            c[key] = make()
+        return c[key]
+
     def describe(self) -> str:
         s = self.spec
         return (f"PeerBuffers({self.mode}, ranks {self.rank0}..{self.rank0 + self.n_local - 1} of "

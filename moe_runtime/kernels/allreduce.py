@@ -219,7 +219,8 @@ def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = Non
     out = _out(bufs, T, out)
     if T == 0:
         return out
-    return _launch(bufs, ALGOS[name], T, out, *_dummies(bufs), timeout_s, max_spins, check,
+    return _launch(bufs, ALGOS[name], T, out, *bufs.cached(("ar_dummies",), lambda: _dummies(bufs)),
+                   timeout_s, max_spins, check,
                    skip_rank, f"all_reduce ({name})")
 
 
@@ -253,6 +254,8 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
     out = _out(bufs, T, out)
     if T == 0:
         return out
-    return _launch(bufs, FUSED, T, out, addr_table(eys, bufs.device),
+    ey_tab = bufs.cached(("ey", tuple(e.data_ptr() for e in eys)),
+                         lambda: addr_table(eys, bufs.device))
+    return _launch(bufs, FUSED, T, out, ey_tab,
                    token_slot.reshape(-1, s.top_k).contiguous(), topk_weights.contiguous(),
                    timeout_s, max_spins, check, skip_rank, "tp_combine_all_reduce")

@@ -190,7 +190,8 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
     if tuple(y.shape) != (n, s.hidden) or y.dtype != s.dtype:
         raise ValueError(f"out must be {s.dtype} [{n}, {s.hidden}], got {y.dtype} {tuple(y.shape)}")
     ns, spins = wait_bounds(timeout_s, max_spins)
-    ey_tab = addr_table(eys, bufs.device)
+    ey_tab = bufs.cached(("ey", tuple(e.data_ptr() for e in eys)),
+                         lambda: addr_table(eys, bufs.device))
     ids, w, yy = (_rows_or_dummy(t) for t in (handle.topk_ids.contiguous(),
                                                topk_weights.contiguous(), y))
     dname = str(s.dtype).removeprefix("torch.")

@@ -354,8 +354,8 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     tokens = check_inputs(bufs, x, topk_ids, tokens_per_rank)
     mode = pick_mode(mode, max(tokens))
     chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
-    tok = torch.tensor([0] + list(torch.tensor(tokens).cumsum(0).tolist()), dtype=torch.int32,
-                       device=bufs.device)
+    tok = bufs.cached(("tok", tuple(tokens)), lambda: torch.tensor(
+        [0] + list(torch.tensor(tokens).cumsum(0).tolist()), dtype=torch.int32, device=bufs.device))
     epoch = bufs.next_epoch()
     ns, spins = wait_bounds(timeout_s, max_spins)
     xx, ids = _rows_or_dummy(x.contiguous()), _rows_or_dummy(topk_ids.contiguous())

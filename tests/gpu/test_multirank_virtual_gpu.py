@@ -1,0 +1,177 @@
+"""GPU: the multi-rank cute kernels with W in {2, 4, 8} VIRTUAL ranks on one GPU (one process,
+one launch carrying every rank's CTAs, the same device code NVLink peers run).
+
+Oracles: kernels/reference.py (dispatch applied per destination rank, combine over all ranks'
+rows: comm/virtual.py) and torch's sum for the all-reduce. Every device wait is bounded; the
+withheld-rank tests check that a missing peer becomes an exception naming rank and phase.
+Run: source .device/setup.sh && python3 -m pytest -m gpu tests/gpu/test_multirank_virtual_gpu.py
+"""
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+pytest.importorskip("tvm_ffi")
+
+from moe_runtime.comm import peer_buffers as pb  # noqa: E402
+from moe_runtime.comm.virtual import (VirtualRanks, apply_test_experts, expert_scale,  # noqa: E402
+                                      kernel_token_slots, reference_dispatch_per_rank,
+                                      reference_dp_combine)
+from moe_runtime.kernels import reference  # noqa: E402
+
+H, K, E, T_MAX = 7168, 8, 256, 64
+WORLDS = (2, 4, 8)
+TIMEOUT_S = 5.0
+UNEVEN = [T_MAX, 0, 17, 33, 1, T_MAX, 2, 40]   # rank 1 sends nothing
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
+def vr(request):
+    v = VirtualRanks(request.param, T_MAX, H, K, E, device="cuda")
+    yield v
+    del v
+    torch.cuda.empty_cache()
+
+
+def routing(T, gen):
+    """Distinct expert ids per token and normalized fp32 weights."""
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), dim=1)
+    return ids, w
+
+
+def inputs(tokens, gen):
+    xs = [torch.randn(t, H, device="cuda", dtype=torch.bfloat16, generator=gen) for t in tokens]
+    rw = [routing(t, gen) for t in tokens]
+    return xs, [r[0] for r in rw], [r[1] for r in rw]
+
+
+def close(y, ref, what, tol=1e-2):
+    """max |y - ref| / max(|ref|, 1) <= tol (bf16 rounding of the same fp32 sums, FMA vs mul+add)."""
+    if y.numel() == 0:
+        return
+    err = ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1.0)).max().item()
+    assert err <= tol, f"{what}: max rel err {err:.3e} > {tol}"
+
+
+def check_dispatch(v, handle, xs, ids):
+    """expert_offsets equal reference.dispatch per destination; every (t, j) a rank owns sits
+    exactly once inside its expert's segment holding x[t]; nothing else is mapped."""
+    spec, El = v.spec, v.spec.num_local_experts
+    X, I = torch.cat(xs), torch.cat(ids)
+    ref = reference_dispatch_per_rank(X, I, spec)
+    kslots = kernel_token_slots(v.bufs, handle)
+    owner = (I.long() // El).cpu()
+    for r in range(v.W):
+        offs = handle.expert_offsets[r].cpu()
+        assert torch.equal(offs, ref[r][1].cpu()), f"rank {r}: offsets {offs} != {ref[r][1]}"
+        ks = kslots[r]
+        mine = owner == r
+        assert (ks[~mine] == -1).all(), f"rank {r}: rows mapped for experts it does not own"
+        got = ks[mine]
+        assert (got >= 0).all() and got.unique().numel() == got.numel(), f"rank {r}: slots"
+        le = (I.long().cpu() - r * El)[mine]
+        assert ((got >= offs[le]) & (got < offs[le + 1])).all(), f"rank {r}: row outside segment"
+        t = torch.nonzero(mine)[:, 0]
+        assert torch.equal(handle.expert_x[r][got.cuda()], X[t.cuda()]), f"rank {r}: row contents"
+    return ref
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_dispatch_combine_match_reference(vr, mode):
+    gen = torch.Generator(device="cuda").manual_seed(1 + vr.W)
+    tokens = UNEVEN[:vr.W]
+    xs, ids, ws = inputs(tokens, gen)
+    for _ in range(2):  # the second call reuses every buffer and flag
+        h = vr.dispatch(xs, ids, mode=mode, timeout_s=TIMEOUT_S)
+        assert h.mode == mode
+        ref = check_dispatch(vr, h, xs, ids)
+        scale = expert_scale(E, "cuda")
+        El = vr.spec.num_local_experts
+        eys = [apply_test_experts(h.expert_x[r], h.expert_offsets[r], r * El, scale)
+               for r in range(vr.W)]
+        ys = vr.combine(h, eys, ws, timeout_s=TIMEOUT_S)
+        y_ref = reference_dp_combine(ref, torch.cat(ids), torch.cat(ws), vr.spec, scale)
+        for r, (y, yr) in enumerate(zip(ys, torch.split(y_ref, tokens))):
+            assert y.shape == (tokens[r], H)
+            close(y, yr, f"W={vr.W} {mode} combine rank {r}")
+
+
+def test_back_to_back_changing_tokens(vr):
+    """200 calls, T per rank changing every call (zeros included), decode and prefill mixed, no
+    memset in between: stale flags would hand out old rows or old counts."""
+    gen = torch.Generator(device="cuda").manual_seed(100 + vr.W)
+    El = vr.spec.num_local_experts
+    for it in range(200):
+        tokens = torch.randint(0, T_MAX + 1, (vr.W,), generator=torch.Generator().manual_seed(it)).tolist()
+        if it % 7 == 0:
+            tokens[it % vr.W] = 0
+        xs, ids, ws = inputs(tokens, gen)
+        h = vr.dispatch(xs, ids, mode="decode" if it % 3 else "prefill", timeout_s=TIMEOUT_S)
+        I = torch.cat(ids).long()
+        for r in range(vr.W):
+            cnt = torch.bincount(I.flatten(), minlength=E)[r * El:(r + 1) * El]
+            want = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)]).int()
+            assert torch.equal(h.expert_offsets[r], want), f"call {it}: rank {r} offsets stale"
+        ys = vr.combine(h, h.expert_x, ws, timeout_s=TIMEOUT_S)  # identity experts
+        for r in range(vr.W):
+            x32, w = xs[r].float(), ws[r]
+            acc = torch.zeros_like(x32)
+            for j in range(K):
+                acc = acc + w[:, j:j + 1] * x32
+            close(ys[r], acc.bfloat16(), f"call {it} rank {r} (tokens {tokens})")
+
+
+def test_withheld_rank_times_out_naming_rank_and_phase(vr):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    xs, ids, ws = inputs([8] * vr.W, gen)
+    gone = vr.W - 1
+    for mode in ("decode", "prefill"):
+        t0 = time.time()
+        with pytest.raises(pb.PeerTimeoutError) as ei:
+            vr.dispatch(xs, ids, mode=mode, timeout_s=1.0, max_spins=200_000, skip_rank=gone)
+        assert time.time() - t0 < 60, "the bounded waits took far too long"
+        msg = str(ei.value)
+        assert f"waiting for rank {gone}" in msg and "dispatch:" in msg, msg
+        assert {e["rank"] for e in ei.value.errors} == set(range(vr.W)) - {gone}, msg
+        with pytest.raises(RuntimeError, match="reset"):
+            vr.dispatch(xs, ids, mode=mode)
+        vr.bufs.reset()
+    h = vr.dispatch(xs, ids, timeout_s=TIMEOUT_S)  # usable again after reset()
+    check_dispatch(vr, h, xs, ids)
+    x = torch.randn(vr.W, 4, H, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(pb.PeerTimeoutError, match=f"all-reduce.*waiting for rank {gone}"):
+        vr.all_reduce(x, algo="oneshot", timeout_s=1.0, max_spins=200_000, skip_rank=gone)
+    vr.bufs.reset()
+
+
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+def test_all_reduce_matches_torch_sum(vr, algo):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for T in (1, 37, T_MAX, 5, T_MAX):  # repeated: barrier epochs advance, no memset
+        x = torch.randn(vr.W, T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = vr.all_reduce(x, algo=algo, timeout_s=TIMEOUT_S)
+        ref = x.float().sum(0)
+        for r in range(vr.W):
+            close(out[r], ref, f"{algo} W={vr.W} T={T} rank {r}")
+
+
+def test_tp_fused_combine_all_reduce(vr):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    El, scale = vr.spec.num_local_experts, expert_scale(E, "cuda")
+    for T in (1, 19, T_MAX):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ids, w = routing(T, gen)
+        eys, slots, ref = [], [], torch.zeros(T, H, device="cuda")
+        for r in range(vr.W):
+            ex, offs, slot = reference.dispatch(x, ids, expert_start=r * El, num_local_experts=El)
+            eys.append(apply_test_experts(ex, offs, r * El, scale))
+            slots.append(slot)
+            ref += reference.combine(eys[-1], slot, w).float()
+        out = vr.tp_combine_all_reduce(eys, torch.stack(slots), w, timeout_s=TIMEOUT_S)
+        for r in range(vr.W):
+            close(out[r], ref, f"tp fused W={vr.W} T={T} rank {r}")

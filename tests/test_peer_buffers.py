@@ -1,0 +1,138 @@
+"""CPU: peer buffer tables (layout, limits, epochs, error words) and the host side of the
+multi-rank cute calls up to the launch (the compiled kernels replaced by recorders)."""
+import pytest
+import torch
+
+from moe_runtime.comm import peer_buffers as pb
+
+SPEC = dict(world_size=4, max_tokens_per_rank=16, hidden=256, top_k=4, num_experts=16)
+
+
+def bufs(**kw):
+    return pb.PeerBuffers.virtual(pb.PeerSpec(**{**SPEC, **kw}), device="cpu")
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="divisible"):
+        pb.PeerSpec(**{**SPEC, "num_experts": 10})
+    with pytest.raises(ValueError, match="16 bytes"):
+        pb.PeerSpec(**{**SPEC, "hidden": 4})
+    with pytest.raises(TypeError):
+        pb.PeerSpec(**SPEC, dtype=torch.float32)
+    s = pb.PeerSpec(**SPEC, align=8)
+    assert s.stage_rows == 16 * 4 and s.xout_rows == 4 * 64 + 4 * 7
+
+
+def test_layout_fields_disjoint_aligned_and_table_addresses():
+    b = bufs()
+    lay = b.layout
+    for peer in (True, False):
+        spans = sorted((lay.offsets[f], lay.offsets[f] + b.view(f).numel() * b.view(f).element_size())
+                       for f in range(pb.NUM_FIELDS) if (f in pb.PEER_FIELDS) == peer)
+        assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:])), "fields overlap"
+        assert all(s % pb.HEAP_ALIGN == 0 for s, _ in spans)
+    assert b.table.shape == (pb.NUM_FIELDS, 4) and b.table.dtype == torch.int64
+    for r in range(4):
+        for f in (pb.F_RECV_X, pb.F_XOUT, pb.F_ERR):
+            assert b.table[f, r].item() == b.view(f, r).data_ptr()
+    assert b.view(pb.F_XOUT, 2).shape == (b.spec.xout_rows, 256)
+
+
+def test_token_limit_names_the_limit():
+    b = bufs()
+    with pytest.raises(ValueError, match="max_tokens_per_rank=16"):
+        b.check_tokens([1, 17, 0, 0])
+    with pytest.raises(ValueError, match="4 local rank"):
+        b.check_tokens([1])
+
+
+def test_epochs_grow_and_wrap():
+    b = bufs()
+    assert [b.next_epoch() for _ in range(3)] == [1, 2, 3]
+    b.epoch = 0x7FFFFFFF
+    assert b.next_epoch() == 1  # never 0 (the flags' initial value)
+    first = b.take_sig_epochs(3)
+    assert first == 1 and b.take_sig_epochs(2) == 4
+
+
+def test_error_words_raise_naming_rank_phase_peer_then_reset():
+    b = bufs()
+    b.check_errors("nothing")  # no error: no exception
+    b.view(pb.F_ERR, 2).copy_(torch.tensor([4, 3, 7, 6], dtype=torch.int32))
+    with pytest.raises(pb.PeerTimeoutError) as ei:
+        b.check_errors("ep_dispatch")
+    msg = str(ei.value)
+    assert "rank 2" in msg and "waiting for rank 3" in msg and pb.PHASES[4] in msg
+    assert ei.value.errors[0]["peer"] == 3
+    with pytest.raises(RuntimeError, match="reset"):
+        b.check_usable()
+    b.reset()
+    b.check_usable()
+    assert not b.view(pb.F_ERR, 2).any()
+
+
+def test_nvls_off_variables_win(monkeypatch):
+    for var, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+        for v, _ in (("NCCL_NVLS_ENABLE", 0), ("NVSHMEM_DISABLE_NVLS", 0),
+                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", 0)):
+            monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv(var, val)
+        ok, why = pb.nvls_allowed()
+        assert not ok and var in why
+
+
+# ------------------------------------------------------------- host path up to the launch
+@pytest.fixture
+def recorded(monkeypatch):
+    pytest.importorskip("cutlass")
+    from moe_runtime.kernels import allreduce, ep_combine, ep_dispatch
+    monkeypatch.setenv("MOE_RUNTIME_SMS", "132")
+    from moe_runtime.kernels import peer_sync
+    peer_sync.sm_count.cache_clear()
+    calls = []
+
+    def recorder(name):
+        def compile_(*key, **kw):
+            return lambda *args: calls.append((name, key, args))
+        return compile_
+
+    monkeypatch.setattr(ep_dispatch, "compile_dispatch", recorder("dispatch"))
+    monkeypatch.setattr(ep_combine, "compile_combine", recorder("combine"))
+    monkeypatch.setattr(allreduce, "compile_allreduce", recorder("allreduce"))
+    yield calls
+    peer_sync.sm_count.cache_clear()
+
+
+def test_host_paths_pass_the_compiled_signatures(recorded):
+    from moe_runtime.kernels.allreduce import all_reduce
+    from moe_runtime.kernels.ep_combine import ep_combine
+    from moe_runtime.kernels.ep_dispatch import PREFILL_PHASES, ep_dispatch
+    b = bufs()
+    tokens = [3, 0, 16, 1]
+    x = torch.randn(sum(tokens), 256, dtype=torch.bfloat16)
+    ids = torch.randint(0, 16, (sum(tokens), 4), dtype=torch.int32)
+    h = ep_dispatch(b, x, ids, tokens, mode="prefill")
+    assert [c[1][0] for c in recorded] == list(PREFILL_PHASES)
+    _, key, args = recorded[-1]
+    table, xx, ii, tok, epoch, S, rank0, skip, ns, spins = args
+    assert table is b.table and xx.shape == (20, 256) and ii.dtype == torch.int32
+    assert tok.tolist() == [0, 3, 3, 19, 20] and tok.dtype == torch.int32
+    assert (epoch, S, rank0, skip) == (1, b.spec.stage_rows, 0, -1) and ns == 10**10
+    assert key[-1] == "bfloat16" and key[6] == 4 * 132 // 4  # cpr for split launches
+    w = torch.rand(20, 4)
+    y = ep_combine(b, h, h.expert_x, w)
+    assert y.shape == (20, 256) and recorded[-1][0] == "combine"
+    ey_tab = recorded[-1][2][1]
+    assert ey_tab.tolist() == [e.data_ptr() for e in h.expert_x]
+    ep_dispatch(b, x, ids, tokens, mode="decode")
+    with pytest.raises(ValueError, match="stale"):
+        ep_combine(b, h, h.expert_x, w)
+    with pytest.raises(ValueError, match="max_tokens_per_rank=16"):
+        n = len(recorded)
+        ep_dispatch(b, torch.zeros(20, 256, dtype=torch.bfloat16),
+                    torch.zeros(20, 4, dtype=torch.int32), [17, 1, 1, 1])
+    assert len(recorded) == n, "launched despite the token limit"
+    out = all_reduce(b, torch.randn(4, 5, 256, dtype=torch.bfloat16), algo="twoshot")
+    assert out.shape == (4, 5, 256) and recorded[-1][0] == "allreduce"
+    assert recorded[-1][1][0] == 2 and recorded[-1][2][6] == 1  # TWOSHOT, first barrier epoch
