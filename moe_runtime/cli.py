@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from .engine.driver import TOPOLOGY_CHOICES
     p.add_argument("--world-size", type=int, default=None, help="ranks, one Ray actor each")
     p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto")
+    p.add_argument("--attention", choices=("dp", "tp"), default="dp",
+                   help="with --topology auto: data-parallel (each rank its own requests, "
+                        "experts partitioned) or tensor-parallel attention")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -103,6 +106,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
     engine = None
     try:
         engine = Engine(model_dir, world_size=args.world_size or 1, topology=args.topology,
+                        attention=args.attention,
                         ray_address=args.ray_address, device=args.device, dtype=args.dtype,
                         timeout_s=args.timeout, progress=not args.no_progress)
         print(f"loaded {model_dir} on {engine.world_size} {engine.device} rank(s)", flush=True)

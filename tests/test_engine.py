@@ -211,3 +211,10 @@ def test_bad_topology_for_world_size_fails_before_ray_work(ckpt):
         Engine(ckpt, world_size=2, topology="local")
     with pytest.raises(ValueError, match="topology"):
         Engine(ckpt, world_size=1, topology="nvls")
+
+
+@pytest.mark.parametrize("attention,want", [("dp", "dp_p2p"), ("tp", "tp")])
+def test_auto_topology_asks_the_selector(ray_session, ckpt, reference, attention, want):
+    with Engine(ckpt, world_size=2, topology="auto", attention=attention, progress=False) as eng:
+        assert eng.topology == want and "CPU" in eng.topology_reason
+        assert ids_of(eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=NEW))) == reference[:2]

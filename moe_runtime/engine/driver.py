@@ -65,21 +65,32 @@ class GenerationResult:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def choose_topology(requested: str, world_size: int, facts: Sequence[dict]) -> tuple[str, str]:
-    """(topology, one-line reason). An explicit name is checked against the world size; "auto"
-    asks moe_runtime.topologies.select (through `topology_select.select_for_ranks`).
+def choose_topology(requested: str, world_size: int, cluster=None, attention: str = "dp"
+                    ) -> tuple[str, str]:
+    """(topology, one-line reason).
+
+    An explicit name is checked against the world size. "auto" asks
+    moe_runtime.topologies.select.select_topology with `cluster` (a ClusterInfo gathered from
+    the ranks) and `attention` ("dp": data-parallel attention, each rank its own requests;
+    "tp": tensor-parallel attention, tokens replicated).
 
     Raises:
-        ValueError: unknown name, or "local" with more than one rank.
+        ValueError: unknown name or attention, "local" with more than one rank, or "auto"
+            without cluster facts.
     """
     if requested not in TOPOLOGY_CHOICES:
         raise ValueError(f"topology must be one of {TOPOLOGY_CHOICES}, got {requested!r}")
+    if attention not in ("dp", "tp"):
+        raise ValueError(f"attention must be 'dp' or 'tp', got {attention!r}")
     if requested == "local" and world_size != 1:
         raise ValueError(f"topology 'local' needs world size 1, got {world_size}")
     if requested != "auto":
-        return requested, f"{requested}: requested explicitly (world size {world_size})"
-    from .topology_select import select_for_ranks
-    return select_for_ranks(facts)
+        return requested, f"requested explicitly (world size {world_size})"
+    if cluster is None:
+        raise ValueError("topology 'auto' needs the cluster facts gathered from the ranks")
+    from ..topologies.select import ParallelConfig, select_topology
+    sel = select_topology(cluster, ParallelConfig.from_mode(attention, world_size))
+    return sel.name, sel.reason
 
 
 class Engine:
@@ -89,6 +100,7 @@ class Engine:
         model_dir: HF-format checkpoint directory (config.json, safetensors, tokenizer).
         world_size: number of ranks (one actor each).
         topology: "auto", "local", "tp", "dp_nvlink" or "dp_p2p".
+        attention: for "auto": "dp" (data-parallel attention + EP, the default) or "tp".
         ray_address: join this Ray cluster ("auto" or host:port); None = the Ray already
             initialized in this process, else start one embedded here (stopped by shutdown()).
         device: "auto" (GPU ranks when the cluster has world_size GPUs, else CPU), "cpu", "cuda".
@@ -105,17 +117,17 @@ class Engine:
     """
 
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
-                 ray_address: Optional[str] = None, device: str = "auto", dtype: str = "auto",
-                 backend: str = "auto", timeout_s: float = 120.0, progress: bool = True,
-                 ray_init_kwargs: Optional[dict] = None):
+                 attention: str = "dp", ray_address: Optional[str] = None, device: str = "auto",
+                 dtype: str = "auto", backend: str = "auto", timeout_s: float = 120.0,
+                 progress: bool = True, ray_init_kwargs: Optional[dict] = None):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if topology not in TOPOLOGY_CHOICES:
             raise ValueError(f"topology must be one of {TOPOLOGY_CHOICES}, got {topology!r}")
-        if topology != "auto":
-            choose_topology(topology, world_size, [])  # bad combinations fail before Ray starts
+        if topology != "auto":  # bad combinations fail before Ray starts
+            choose_topology(topology, world_size, attention=attention)
         self.model_dir, self.world_size, self.timeout_s = model_dir, world_size, timeout_s
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.workers: list = []
@@ -130,8 +142,10 @@ class Engine:
         try:
             self._start_ray(ray_address, device, ray_init_kwargs or {})
             self._start_workers()
-            facts = self._call_all("facts", "collecting rank facts")
-            self._load(*choose_topology(topology, world_size, facts))
+            cluster = None
+            if topology == "auto":
+                cluster = self._call_all("cluster_info", "gathering cluster facts")[0]
+            self._load(*choose_topology(topology, world_size, cluster, attention))
         except BaseException:
             self.shutdown()
             raise
@@ -190,8 +204,7 @@ class Engine:
         """
         if topology == "auto":
             raise ValueError("load() needs an explicit topology name")
-        name, reason = choose_topology(topology, self.world_size, [])
-        self._load(name, reason)
+        self._load(*choose_topology(topology, self.world_size))
 
     def _load(self, name: str, reason: str) -> None:
         self.topology = None

@@ -45,15 +45,10 @@ class RankWorker:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def facts(self) -> dict:
-        """What topology selection needs to know about this rank's host and device."""
-        import ray
-        f = {"rank": self.rank, "hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
-             "device": self.device.type, "gpu_name": None, "visible_gpus": 0}
-        if self.device.type == "cuda":
-            f["gpu_name"] = torch.cuda.get_device_name(self.device)
-            f["visible_gpus"] = torch.cuda.device_count()
-        return f
+    def cluster_info(self):
+        """topologies.select.ClusterInfo of all ranks (a collective: every rank must call it)."""
+        from ..topologies.select import ClusterInfo
+        return ClusterInfo.gather(self.group if self.world_size > 1 else None)
 
     def init_distributed(self, addr: str, port: int, timeout_s: float) -> None:
         """Join the default process group (gloo on CPU, nccl on CUDA) bounded by timeout_s."""
