@@ -14,7 +14,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32
 
-from .device_rows import load_segment, row_vectors, store_segment, vec_width
+from .device_rows import load_segment, num_segments, row_vectors, store_segment, vec_width, \
+    warp_unit
 
 
 @cute.kernel
@@ -24,13 +25,8 @@ def combine_kernel(mY: cute.Tensor, mSlot: cute.Tensor, mW: cute.Tensor, mOut: c
     dtype = mY.element_type
     VEC = vec_width(dtype)
     NV = H // VEC
-    NSEG = (NV + 32 * V - 1) // (32 * V)
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
     lane = cute.arch.lane_idx()
-    unit = bidx * WARPS + tidx // 32
-    t = unit // NSEG
-    seg = unit - t * NSEG
+    t, seg = warp_unit(WARPS, num_segments(H, dtype, V))
     if t < mOut.shape[0]:
         my_slot = Int32(-1)
         my_w = Float32(0.0)
@@ -63,8 +59,7 @@ def combine_kernel(mY: cute.Tensor, mSlot: cute.Tensor, mW: cute.Tensor, mOut: c
 def combine(mY: cute.Tensor, mSlot: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, stream,
             H: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
     """expert_y [N,H], slot int32 [T,K], w fp32 [T,K] -> out [T,H] (expert_y's dtype)."""
-    VEC = vec_width(mY.element_type)
-    nseg = (H // VEC + 32 * V - 1) // (32 * V)
+    nseg = num_segments(H, mY.element_type, V)
     combine_kernel(mY, mSlot, mW, mOut, H, K, WARPS, V).launch(
         grid=(cute.ceil_div(mOut.shape[0] * nseg, WARPS), 1, 1), block=(WARPS * 32, 1, 1),
         stream=stream)

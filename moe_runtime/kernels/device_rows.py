@@ -1,5 +1,4 @@
-"""Device helpers shared by the dispatch and combine kernels: 128-bit row segments and a
-block-wide exclusive scan.
+"""Device helpers shared by the dispatch and combine kernels: 128-bit row segments.
 
 Row segments: a row of `hidden` elements is viewed as nv = hidden / VEC vectors of 16 bytes
 (VEC = 16 / element bytes: 8 for bf16/fp16, 4 for fp32). A warp moves a row in segments of
@@ -60,34 +59,10 @@ def store_segment(dst: cute.Tensor, frag: cute.Tensor, lane: Int32, seg: Int32,
 
 
 @cute.jit
-def block_exclusive_scan(val: Int32, s_warp: cute.Tensor, warps: Constexpr[int]):
-    """Exclusive prefix sum of one Int32 per thread over the block (thread order).
-
-    s_warp: shared Int32 [warps] scratch. Returns (exclusive prefix, block total), the same
-    total in every thread. Block-wide call (two barriers).
-    """
-    lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
-    incl = val
-    for i in cutlass.range_constexpr(5):
-        up = cute.arch.shuffle_sync_up(incl, offset=1 << i)
-        if lane >= (1 << i):
-            incl = incl + up
-    if lane == 31:
-        s_warp[warp] = incl
-    cute.arch.sync_threads()
-    before = Int32(0)
-    total = Int32(0)
-    for w in cutlass.range_constexpr(warps):
-        part = s_warp[w]
-        if w < warp:
-            before = before + part
-        total = total + part
-    cute.arch.sync_threads()
-    return before + incl - val, total
-
-
-@cute.jit
-def padded_count(count: Int32, align: Int32) -> Int32:
-    """count rounded up to a multiple of align (align >= 1)."""
-    return (count + align - 1) // align * align
+def warp_unit(warps: Constexpr[int], nseg: Constexpr[int]):
+    """(token, segment) of this warp when one warp handles one (token, segment) unit."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    unit = bidx * warps + tidx // 32
+    t = unit // nseg
+    return t, unit - t * nseg

@@ -13,7 +13,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32
 
-from .device_rows import load_segment, row_vectors, store_segment, vec_width
+from .device_rows import load_segment, num_segments, row_vectors, store_segment, vec_width, \
+    warp_unit
 
 
 @cute.kernel
@@ -23,13 +24,8 @@ def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
                          K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
     VEC = vec_width(mX.element_type)
     NV = H // VEC
-    NSEG = (NV + 32 * V - 1) // (32 * V)
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
     lane = cute.arch.lane_idx()
-    unit = bidx * WARPS + tidx // 32
-    t = unit // NSEG
-    seg = unit - t * NSEG
+    t, seg = warp_unit(WARPS, num_segments(H, mX.element_type, V))
     if t < mX.shape[0]:
         slot = Int32(-1)
         if lane < K:
@@ -52,8 +48,7 @@ def dispatch_copy(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor, mOffse
                   H: Constexpr[int], E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int],
                   V: Constexpr[int]):
     """x [T,H] + rank/offsets from launch 1 -> out [N,H], slot int32 [T,K]."""
-    VEC = vec_width(mX.element_type)
-    nseg = (H // VEC + 32 * V - 1) // (32 * V)
+    nseg = num_segments(H, mX.element_type, V)
     dispatch_copy_kernel(mX, mIds, mRank, mOffsets, mOut, mSlot, expert_start, H, E, K, WARPS,
                          V).launch(grid=(cute.ceil_div(mX.shape[0] * nseg, WARPS), 1, 1),
                                    block=(WARPS * 32, 1, 1), stream=stream)

@@ -23,9 +23,8 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Int32, Int64, Uint32
 
 from ..sync.grid_barrier import barrier_phase, grid_barrier
-from ..sync.ordered import ld_relaxed
-from .device_rows import block_exclusive_scan, load_segment, padded_count, row_vectors, \
-    store_segment, vec_width
+from .device_counts import add_block_counts, clear_shared, padded_offsets
+from .device_rows import load_segment, num_segments, row_vectors, store_segment, vec_width
 
 
 def workspace_words(num_experts: int) -> int:
@@ -42,8 +41,7 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
     THREADS = WARPS * 32
     VEC = vec_width(mX.element_type)
     NV = H // VEC
-    NSEG = (NV + 32 * V - 1) // (32 * V)
-    PER_T = (E + THREADS - 1) // THREADS  # experts per thread in the offset scan
+    NSEG = num_segments(H, mX.element_type, V)
 
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -55,15 +53,11 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
     smem = cutlass.memory.SmemAllocator()
     s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
     s_base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-    s_off = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    s_off = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
     s_slot = smem.allocate_tensor(Int32, cute.make_layout(THREADS), byte_alignment=16)
     s_warp = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
     s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-    for i in cutlass.range_constexpr(PER_T):
-        e = tidx + i * THREADS
-        if e < E:
-            s_cnt[e] = 0
-    cute.arch.sync_threads()
+    clear_shared(s_cnt, E, THREADS)
 
     bar = cute.recast_ptr(mWs.iterator, dtype=Uint32)
     phase = barrier_phase(bar)
@@ -81,38 +75,21 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
             el = e
             rank = cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
     cute.arch.sync_threads()
-    for i in cutlass.range_constexpr(PER_T):
-        e = tidx + i * THREADS
-        if e < E:
-            c = s_cnt[e]
-            if c > 0:
-                s_base[e] = cute.arch.atomic_add(counts + e, c)
+    add_block_counts(s_cnt, counts, s_base, E, THREADS)
 
     ok = grid_barrier(bar, s_flag.iterator, err_addr, max_iters, timeout_ns, site)
 
     # ---- phase 2: offsets from the final counts, slots, row copies
     if ok != 0:
-        part = Int32(0)
-        for i in cutlass.range_constexpr(PER_T):
-            e = tidx * PER_T + i
-            if e < E:
-                part = part + padded_count(Int32(ld_relaxed(counts + e)), align)
-        excl, total = block_exclusive_scan(part, s_warp, WARPS)
-        for i in cutlass.range_constexpr(PER_T):
-            e = tidx * PER_T + i
-            if e < E:
-                s_off[e] = excl
-                if bidx == 0:
-                    mOffsets[e] = excl
-                excl = excl + padded_count(Int32(ld_relaxed(counts + e)), align)
+        padded_offsets(counts, align, s_off, s_warp, E, WARPS)
+        cute.arch.sync_threads()
         if bidx == 0:
-            if tidx == 0:
-                mOffsets[E] = total
-            for i in cutlass.range_constexpr(PER_T):
+            for i in cutlass.range_constexpr((E + 1 + THREADS - 1) // THREADS):
                 e = tidx + i * THREADS
+                if e <= E:
+                    mOffsets[e] = s_off[e]
                 if e < E:
                     stale[e] = 0
-        cute.arch.sync_threads()
         slot = Int32(-1)
         if el >= 0:
             slot = s_off[el] + s_base[el] + rank

@@ -18,8 +18,7 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Int32, Uint32
 
 from ..sync.grid_barrier import last_block_arrive
-from ..sync.ordered import ld_relaxed
-from .device_rows import block_exclusive_scan, padded_count
+from .device_counts import add_block_counts, clear_shared, padded_offsets
 
 
 def workspace_words(num_experts: int) -> int:
@@ -43,11 +42,7 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.
     s_warp = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
     s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
     counts = cute.make_tensor(mWs.iterator + 4, cute.make_layout(E))
-    for i in cutlass.range_constexpr(PER_T):
-        e = tidx + i * THREADS
-        if e < E:
-            s_cnt[e] = 0
-    cute.arch.sync_threads()
+    clear_shared(s_cnt, E, THREADS)
 
     for item in cutlass.range(bidx * THREADS + tidx, n_items, nblk * THREADS):
         e = mIds[item // K, item % K] - expert_start
@@ -56,12 +51,7 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.
             r = cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
         mRank[item // K, item % K] = r
     cute.arch.sync_threads()
-    for i in cutlass.range_constexpr(PER_T):
-        e = tidx + i * THREADS
-        if e < E:
-            c = s_cnt[e]
-            if c > 0:
-                s_base[e] = cute.arch.atomic_add(counts.iterator + e, c)
+    add_block_counts(s_cnt, counts.iterator, s_base, E, THREADS)
     cute.arch.sync_threads()
     for item in cutlass.range(bidx * THREADS + tidx, n_items, nblk * THREADS):
         e = mIds[item // K, item % K] - expert_start
@@ -69,20 +59,12 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.
             mRank[item // K, item % K] = mRank[item // K, item % K] + s_base[e]
 
     if last_block_arrive(cute.recast_ptr(mWs.iterator, dtype=Uint32), s_flag.iterator) != 0:
-        part = Int32(0)
+        padded_offsets(counts.iterator, align, mOffsets, s_warp, E, WARPS)
         for i in cutlass.range_constexpr(PER_T):
-            e = tidx * PER_T + i
+            e = tidx + i * THREADS
             if e < E:
-                part = part + padded_count(Int32(ld_relaxed(counts.iterator + e)), align)
-        excl, total = block_exclusive_scan(part, s_warp, WARPS)
-        for i in cutlass.range_constexpr(PER_T):
-            e = tidx * PER_T + i
-            if e < E:
-                mOffsets[e] = excl
-                excl = excl + padded_count(Int32(ld_relaxed(counts.iterator + e)), align)
                 counts[e] = 0
         if tidx == 0:
-            mOffsets[E] = total
             mWs[0] = 0
 
 

@@ -27,6 +27,7 @@ from cutlass import Constexpr, Float32, Int32, Uint32
 
 from ..sync.grid_barrier import last_block_arrive
 from ..sync.ordered import ld_relaxed
+from .device_counts import add_block_counts, clear_shared
 
 LOG2E = math.log2(math.e)
 
@@ -83,11 +84,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
     s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
     s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
     counts = cute.make_tensor(mWs.iterator + 4, cute.make_layout(E))
-    for i in cutlass.range_constexpr(PER_T):
-        e = tidx + i * THREADS
-        if e < E:
-            s_cnt[e] = 0
-    cute.arch.sync_threads()
+    clear_shared(s_cnt, E, THREADS)
 
     raw = cute.make_rmem_tensor(cute.make_layout(PER_LANE), Float32)
     choice = cute.make_rmem_tensor(cute.make_layout(PER_LANE), Float32)
@@ -192,12 +189,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
 
     # ---- counts: per-block histogram -> global -> the last block publishes and clears
     cute.arch.sync_threads()
-    for i in cutlass.range_constexpr(PER_T):
-        e = tidx + i * THREADS
-        if e < E:
-            c = s_cnt[e]
-            if c > 0:
-                cute.arch.atomic_add(counts.iterator + e, c)
+    add_block_counts(s_cnt, counts.iterator, None, E, THREADS)
     if last_block_arrive(cute.recast_ptr(mWs.iterator, dtype=Uint32), s_flag.iterator) != 0:
         for i in cutlass.range_constexpr(PER_T):
             e = tidx + i * THREADS

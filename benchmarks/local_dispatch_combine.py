@@ -1,0 +1,217 @@
+"""Local (TP=1) dispatch and combine: CuTeDSL kernels vs device copy bandwidth and vs the torch
+reference; also measures the decode/prefill switch point that kernels/cute_ops.py uses.
+
+Shapes (bf16): Qwen3-30B-A3B (H 2048, E 128, k 8), DeepSeek-V3 (7168, 256, 8), Mixtral
+(4096, 8, 2); T in {1, 8, 64, 128, 512, 4096, 16384}.
+Per row: µs per call from CUDA-graph replay (REPS calls captured in one graph), achieved TB/s on
+the bytes read + written once (dispatch: x and T*k rows; combine: T*k rows and y; plus the int32
+index tensors), the ratio to the device copy bandwidth measured in the same run (a graph-replayed
+torch copy of 1 GiB), the speedup over the torch reference (eager; it syncs the host), and the
+targets: T >= 4096 -> >= 90% of copy bandwidth; T <= 128 -> <= 1.2 x (graph-replayed empty
+CuTeDSL kernel + the bytes at copy bandwidth).
+Switch point: decode vs prefill timed over a finer T sweep per shape; the crossing, in bytes of
+expert rows moved (T*k*H*2), is printed and stored under "switch_point".
+Never asserts a time. Usage: python benchmarks/local_dispatch_combine.py --out bench_out/x.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass import Int32
+
+from moe_runtime.kernels import cute_ops, reference
+
+SHAPES = {"qwen3-30b-a3b": (2048, 128, 8), "deepseek-v3": (7168, 256, 8), "mixtral": (4096, 8, 2)}
+TOKENS = (1, 8, 64, 128, 512, 4096, 16384)
+SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+REPS = 20
+
+
+@cute.kernel
+def _empty_kernel(m: cute.Tensor):
+    cute.arch.thread_idx()
+
+
+@cute.jit
+def _empty(m: cute.Tensor, stream):
+    _empty_kernel(m).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+
+
+def graph_us(fn, reps=REPS) -> float:
+    """µs per call of fn, from replaying `reps` calls captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm: compile, workspaces
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / reps)
+    del g
+    return best
+
+
+def eager_us(fn, reps=5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
+    n = 1 << 29
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = graph_us(lambda: dst.copy_(src), reps=5)
+    return 2 * n * 2 / (us * 1e-6)
+
+
+def empty_kernel_us() -> float:
+    t = torch.zeros(4, device="cuda")
+    fn = cute.compile(_empty, make_fake_compact_tensor(Int32, (4,), assumed_align=16),
+                      make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+    ti = t.view(torch.int32)
+    return graph_us(lambda: fn(ti), reps=100)
+
+
+def problem(T, H, E, k):
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.to(torch.int32)
+    w = torch.rand(T, k, device="cuda")
+    return x, ids, w
+
+
+def dispatch_bytes(T, H, k):
+    return T * H * 2 + T * k * H * 2 + 2 * T * k * 4
+
+
+def combine_bytes(T, H, k):
+    return T * k * H * 2 + T * H * 2 + T * k * 8
+
+
+def modes_for(T, k):
+    fits = T * k <= torch.cuda.get_device_properties(0).multi_processor_count * 256
+    return ("decode", "prefill") if fits else ("prefill",)
+
+
+def measure(name, H, E, k, T, bw, empty):
+    x, ids, w = problem(T, H, E, k)
+    rows = []
+    dmode = cute_ops.select_dispatch_mode(T, k, H, x.dtype)
+    cmode = cute_ops.select_combine_mode(T, k, H, x.dtype)
+    ex, _, slot = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
+    for op, mode, fn, ref, nbytes in (
+        ("dispatch", dmode,
+         lambda: cute_ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=dmode),
+         lambda: reference.dispatch(x, ids, expert_start=0, num_local_experts=E),
+         dispatch_bytes(T, H, k)),
+        ("combine", cmode, lambda: cute_ops.combine_in_mode(ex, slot, w, mode=cmode),
+         lambda: reference.combine(ex, slot, w), combine_bytes(T, H, k))):
+        us = graph_us(fn)
+        ref_us = eager_us(ref)
+        floor_us = empty + nbytes / bw * 1e6
+        if T >= 4096:
+            target, met = ">=90% copy BW", nbytes / (us * 1e-6) >= 0.9 * bw
+        elif T <= 128:
+            target, met = f"<={1.2 * floor_us:.1f}us", us <= 1.2 * floor_us
+        else:
+            target, met = "-", None
+        rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, tbps=nbytes / (us * 1e-6) / 1e12,
+                         ratio_copy=nbytes / (us * 1e-6) / bw, ref_us=ref_us, speedup=ref_us / us,
+                         floor_us=floor_us, target=target, target_met=met, bytes=nbytes))
+    return rows
+
+
+def sweep(name, H, E, k):
+    """decode vs prefill µs over SWEEP for dispatch and combine; crossing in bytes moved."""
+    pts, cross = [], {}
+    for T in SWEEP:
+        x, ids, w = problem(T, H, E, k)
+        ex, _, slot = cute_ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E,
+                                                mode="prefill")
+        pt = dict(T=T, moved=T * k * H * 2)
+        for mode in modes_for(T, k):
+            pt[f"dispatch_{mode}"] = graph_us(lambda: cute_ops.dispatch_in_mode(
+                x, ids, expert_start=0, num_local_experts=E, mode=mode))
+        for mode in ("decode", "prefill"):
+            pt[f"combine_{mode}"] = graph_us(lambda: cute_ops.combine_in_mode(ex, slot, w, mode=mode))
+        pts.append(pt)
+    for op in ("dispatch", "combine"):
+        faster = [p["moved"] for p in pts if p.get(f"{op}_decode", float("inf")) <= p[f"{op}_prefill"]]
+        slower = [p["moved"] for p in pts if p.get(f"{op}_decode", float("inf")) > p[f"{op}_prefill"]]
+        # largest size where decode still wins, below the first size where it loses
+        first_loss = min(slower, default=float("inf"))
+        cross[op] = max([m for m in faster if m < first_loss], default=0)
+    return pts, cross
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_out/local_dispatch_combine.json")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the decode/prefill sweep")
+    args = ap.parse_args()
+    t0 = time.time()
+    dev = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    empty = empty_kernel_us()
+    print(f"{dev.name} ({dev.multi_processor_count} SMs): copy {bw / 1e12:.2f} TB/s, "
+          f"graph-replayed empty CuTeDSL kernel {empty:.2f} us")
+    rows, sweeps, cross = [], {}, {}
+    for name, (H, E, k) in SHAPES.items():
+        for T in TOKENS:
+            rows += measure(name, H, E, k, T, bw, empty)
+        if not args.no_sweep:
+            sweeps[name], cross[name] = sweep(name, H, E, k)
+    switch = {op: min(c[op] for c in cross.values()) for op in ("dispatch", "combine")} if cross else {}
+    result = dict(device=dev.name, sms=dev.multi_processor_count, copy_tbps=bw / 1e12,
+                  empty_kernel_us=empty, rows=rows, sweep=sweeps, crossing_bytes=cross,
+                  switch_point=dict(
+                      measured_bytes=switch,
+                      in_code=dict(dispatch=cute_ops.DISPATCH_DECODE_MAX_BYTES,
+                                   combine=cute_ops.COMBINE_DECODE_MAX_BYTES)),
+                  seconds=time.time() - t0)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    if cross:
+        print("decode/prefill crossing (bytes of expert rows moved, T*k*H*2):")
+        for name, c in cross.items():
+            print(f"  {name:14s} dispatch <= {c['dispatch']:>10d}  combine <= {c['combine']:>10d}")
+        print(f"  switch point used: dispatch {switch['dispatch']} B, combine {switch['combine']} B "
+              f"(in code now: {cute_ops.DISPATCH_DECODE_MAX_BYTES}, {cute_ops.COMBINE_DECODE_MAX_BYTES})")
+    print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
+          f"{'ref us':>9s} {'speedup':>7s} {'target':>15s} met")
+    for r in rows:
+        met = "-" if r["target_met"] is None else ("yes" if r["target_met"] else "NO")
+        print(f"{r['shape']:14s} {r['T']:6d} {r['op']:8s} {r['mode']:7s} {r['us']:9.2f} "
+              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {r['ref_us']:9.1f} {r['speedup']:7.1f} "
+              f"{r['target']:>15s} {met}")
+    print(f"wrote {out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

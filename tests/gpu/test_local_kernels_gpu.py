@@ -1,0 +1,292 @@
+"""CuTeDSL route / dispatch / combine (kernels/cute_ops.py) against the torch reference on a GPU.
+
+Every output the kernels allocate is poisoned first (torch.empty is patched to fill NaN for
+floats and -7 for integers), so a row or slot the kernel forgets to write shows up.
+Dispatch: rows bit-exact through token_slot, expert_offsets exact, every slot of an expert
+used exactly once (the order inside an expert may differ from the reference). Combine: rel err
+<= 1e-2 (16-bit) against float64. Route: ids identical, weights within fp32 rounding.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from moe_runtime.kernels import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
+                       reason="nvidia-cutlass-dsl is not installed"),
+]
+
+DEV = "cuda"
+MODES = ("decode", "prefill")
+_real_empty = torch.empty
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    """cute_ops with torch.empty poisoned (NaN / -7) for the duration of a test."""
+    from moe_runtime.kernels import cute_ops
+
+    def poisoned(*size, dtype=None, device=None, **kw):
+        t = _real_empty(*size, dtype=dtype, device=device, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    torch.manual_seed(0)  # fresh random data per test, reproducible on this machine
+    yield cute_ops
+    torch.cuda.synchronize()
+    cute_ops.check_errors()
+
+
+def rand_ids(T, E, k, gen=None):
+    """Distinct expert ids per token, int32 [T, k]."""
+    return torch.rand(T, E, device=DEV, generator=gen).topk(k, dim=1).indices.to(torch.int32)
+
+
+def check_dispatch(x, ids, out, *, expert_start, num_local_experts, align=1):
+    ex, off, slot = out
+    rx, roff, rslot = reference.dispatch(x, ids, expert_start=expert_start,
+                                         num_local_experts=num_local_experts, align=align)
+    T, k = ids.shape
+    assert ex.shape == rx.shape and ex.dtype == x.dtype
+    assert off.dtype == torch.int32 and slot.dtype == torch.int32 and slot.shape == (T, k)
+    assert torch.equal(off, roff), f"offsets {off.tolist()} != {roff.tolist()}"
+    assert torch.equal(slot < 0, rslot < 0), "local/non-local picks differ"
+    local = slot >= 0
+    s = slot[local].long()
+    e = ids[local].long() - expert_start
+    assert bool(((s >= off[e]) & (s < off[e] + (roff[e + 1] - roff[e]))).all()), "slot outside expert"
+    # every slot of an expert used exactly once: same multiset as the reference's slots
+    assert torch.equal(torch.sort(s).values, torch.sort(rslot[local].long()).values)
+    t = torch.arange(T, device=DEV).unsqueeze(1).expand(T, k)[local]
+    assert torch.equal(ex[s].view(torch.int16 if x.element_size() == 2 else torch.int32),
+                       x[t].view(torch.int16 if x.element_size() == 2 else torch.int32))
+
+
+def check_combine(y, expert_y, slot, w, tol):
+    T = slot.shape[0]
+    assert y.shape == (T, expert_y.shape[1]) and y.dtype == expert_y.dtype
+    valid = slot >= 0
+    rows = expert_y[slot.clamp(min=0).long()].double()
+    ref = (torch.where(valid, w.double(), 0.0).unsqueeze(-1)
+           * torch.where(valid.unsqueeze(-1), rows, 0.0)).sum(1)
+    err = (y.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30) if T else 0.0
+    assert torch.isfinite(y).all() and err <= tol, f"rel err {err:.3e} > {tol}"
+
+
+# ----------------------------------------------------------------------------------- dispatch
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype,H,E,k", [
+    (torch.bfloat16, 2048, 128, 8), (torch.bfloat16, 7168, 256, 8), (torch.float16, 4096, 8, 2),
+    (torch.float32, 2880, 64, 6), (torch.bfloat16, 576, 384, 8), (torch.bfloat16, 128, 8, 1)])
+@pytest.mark.parametrize("T", [1, 7, 100, 1000])
+def test_dispatch_matches_reference(ops, mode, dtype, H, E, k, T):
+    x = torch.randn(T, H, device=DEV).to(dtype)
+    ids = rand_ids(T, E, k)
+    out = ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=mode)
+    check_dispatch(x, ids, out, expert_start=0, num_local_experts=E)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["one_expert", "empty_experts", "rank_filter", "align16",
+                                  "align128_filter", "no_local"])
+def test_dispatch_edge_cases(ops, mode, case):
+    T, H, E, k = 300, 2048, 64, 4
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    start, n_local, align = 0, E, 1
+    ids = rand_ids(T, E, k)
+    if case == "one_expert":
+        ids = torch.full((T, 1), 5, device=DEV, dtype=torch.int32)
+    elif case == "empty_experts":  # only experts 3, 17, 40, 41 get tokens
+        ids = torch.tensor([3, 17, 40, 41], device=DEV, dtype=torch.int32).repeat(T, 1)
+    elif case == "rank_filter":
+        start, n_local = 16, 16
+    elif case == "align16":
+        align = 16
+    elif case == "align128_filter":
+        start, n_local, align = 48, 16, 128
+    elif case == "no_local":
+        start, n_local = 64, 8
+    out = ops.dispatch_in_mode(x, ids, expert_start=start, num_local_experts=n_local, align=align,
+                               mode=mode)
+    assert out[0].shape[0] == reference.dispatch_capacity(T, ids.shape[1], n_local, align)
+    check_dispatch(x, ids, out, expert_start=start, num_local_experts=n_local, align=align)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dispatch_zero_tokens(ops, mode):
+    x = _real_empty(0, 4096, device=DEV, dtype=torch.bfloat16)
+    ids = _real_empty(0, 8, device=DEV, dtype=torch.int32)
+    ex, off, slot = ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=32, align=8,
+                                         mode=mode)
+    assert ex.shape == (32 * 7, 4096) and slot.shape == (0, 8)
+    assert torch.equal(off, torch.zeros(33, device=DEV, dtype=torch.int32))
+
+
+def test_dispatch_auto_mode_and_decode_reuse_1000_calls(ops):
+    """1000 back-to-back decode launches with varying T reuse one barrier word and the
+    parity-buffered counters; offsets of every call are checked on the device (no sync)."""
+    H, E, k = 1024, 128, 8
+    assert ops.select_dispatch_mode(1, k, H, torch.bfloat16) == "decode"
+    assert ops.select_dispatch_mode(16384, k, 7168, torch.bfloat16) == "prefill"
+    x_all = torch.randn(300, H, device=DEV).to(torch.bfloat16)
+    bad = torch.zeros((), device=DEV, dtype=torch.int64)
+    kept = []
+    for i in range(1000):
+        T = 1 + (i * 37) % 300
+        ids = rand_ids(T, E, k)
+        out = ops.dispatch_in_mode(x_all[:T], ids, expert_start=0, num_local_experts=E,
+                                   mode="decode")
+        counts = torch.bincount(ids.flatten().long(), minlength=E)
+        ref_off = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        bad += (out[1] != ref_off).sum()
+        if i % 97 == 0:
+            kept.append((T, ids, out))
+    ops.check_errors()
+    assert bad.item() == 0
+    for T, ids, out in kept:
+        check_dispatch(x_all[:T], ids, out, expert_start=0, num_local_experts=E)
+
+
+def test_dispatch_and_combine_in_a_cuda_graph(ops):
+    """No host sync inside: both modes capture, and replays see new ids and rows."""
+    T, H, E, k = 64, 2048, 64, 6
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    ids = rand_ids(T, E, k)
+    w = torch.rand(T, k, device=DEV)
+    for mode in MODES:  # eager first: compiles, creates the per-stream workspaces
+        ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=mode)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for mode in MODES:
+            ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=mode)
+            ops.combine_in_mode(x, torch.zeros_like(ids), w, mode=mode)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            outs = [ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=m)
+                    for m in MODES]
+            ys = [ops.combine_in_mode(o[0], o[2], w, mode=m) for o, m in zip(outs, MODES)]
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        x.copy_(torch.randn(T, H, device=DEV).to(torch.bfloat16))
+        ids.copy_(rand_ids(T, E, k))
+        g.replay()
+        torch.cuda.synchronize()
+        for o, y in zip(outs, ys):
+            check_dispatch(x, ids, o, expert_start=0, num_local_experts=E)
+            check_combine(y, o[0], o[2], w, 1e-2)
+
+
+def test_grid_barrier_timeout_raises_naming_the_step(ops):
+    from moe_runtime.sync import DeviceSyncError
+
+    dev = torch.device(DEV)
+    ops.launch_barrier_probe(dev, grid=8, absent_block=-1, rounds=200, max_polls=1 << 22,
+                             timeout_ns=2_000_000_000)
+    ops.check_errors()  # all blocks arrive: 200 barriers, no error
+    ops.launch_barrier_probe(dev, grid=8, absent_block=3, rounds=1, max_polls=20000,
+                             timeout_ns=50_000_000)
+    with pytest.raises(DeviceSyncError, match="grid barrier probe timed out"):
+        ops.check_errors()
+    ops.check_errors()  # cleared
+    x = torch.randn(5, 256, device=DEV).to(torch.bfloat16)
+    ids = rand_ids(5, 16, 2)
+    out = ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=16, mode="decode")
+    check_dispatch(x, ids, out, expert_start=0, num_local_experts=16)
+
+
+def test_boundary_validation(ops):
+    x = torch.randn(4, 256, device=DEV).to(torch.bfloat16)
+    ids = rand_ids(4, 8, 2)
+    kw = dict(expert_start=0, num_local_experts=8)
+    with pytest.raises(TypeError, match="topk_ids dtype"):
+        ops.dispatch(x, ids.long(), **kw)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):  # odd hidden: the policy
+        ops.dispatch(torch.randn(4, 255, device=DEV).to(torch.bfloat16), ids, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.dispatch(torch.randn(4, 512, device=DEV).to(torch.bfloat16)[:, :256], ids, **kw)
+    flat = torch.randn(4 * 256 + 1, device=DEV).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ops.dispatch(flat[1:].view(4, 256), ids, **kw)
+    with pytest.raises(ValueError, match="rows"):
+        ops.dispatch(x, ids[:3], **kw)
+    with pytest.raises(ValueError, match="CUDA"):
+        ops.dispatch(x.cpu(), ids.cpu(), **kw)
+    with pytest.raises(TypeError, match="topk_weights dtype"):
+        ops.combine(x, ids, torch.rand(4, 2, device=DEV).double())
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        ops.combine(torch.randn(8, 7, device=DEV).half(), ids, torch.rand(4, 2, device=DEV))
+
+
+# ------------------------------------------------------------------------------------ combine
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype,H,k", [(torch.bfloat16, 2048, 8), (torch.bfloat16, 7168, 8),
+                                       (torch.float16, 4096, 2), (torch.float32, 2880, 6),
+                                       (torch.bfloat16, 576, 1)])
+@pytest.mark.parametrize("T", [0, 1, 33, 2000])
+def test_combine_matches_float64(ops, mode, dtype, H, k, T):
+    N = T * k + 5
+    expert_y = torch.randn(N, H, device=DEV).to(dtype)
+    slot = torch.randperm(N, device=DEV)[: T * k].view(T, k).to(torch.int32)
+    slot[torch.rand(T, k, device=DEV) < 0.2] = -1  # non-local picks (rank filter)
+    w = torch.rand(T, k, device=DEV)
+    y = ops.combine_in_mode(expert_y, slot, w, mode=mode)
+    check_combine(y, expert_y, slot, w, 1e-2 if dtype != torch.float32 else 1e-5)
+    if T:
+        ref = reference.combine(expert_y, slot, w)
+        assert (y.float() - ref.float()).abs().max().item() <= 1e-2 * ref.float().abs().max().item()
+
+
+def test_combine_ignores_nan_rows_of_unused_slots(ops):
+    """-1 picks must not read anything: a NaN row 0 (e.g. padding) cannot leak into y."""
+    expert_y = torch.randn(16, 1024, device=DEV).to(torch.bfloat16)
+    expert_y[0] = float("nan")
+    slot = torch.tensor([[-1, 3], [5, -1]], device=DEV, dtype=torch.int32)
+    w = torch.rand(2, 2, device=DEV)
+    for mode in MODES:
+        check_combine(ops.combine_in_mode(expert_y, slot, w, mode=mode), expert_y, slot, w, 1e-2)
+
+
+# -------------------------------------------------------------------------------------- route
+ROUTERS = [
+    dict(E=8, k=2, scoring="softmax"),                                        # Mixtral
+    dict(E=128, k=8, scoring="softmax"),                                      # Qwen3-MoE
+    dict(E=64, k=6, scoring="softmax", norm_topk_prob=False),                 # Qwen2-MoE
+    dict(E=256, k=8, scoring="sigmoid", n_group=8, topk_group=4, bias=True,
+         routed_scaling_factor=2.5),                                          # DeepSeek-V3
+    dict(E=384, k=8, scoring="sigmoid", bias=True),
+    dict(E=64, k=1, scoring="sigmoid", n_group=4, topk_group=1, bias=True),
+]
+
+
+@pytest.mark.parametrize("cfg", ROUTERS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [0, 1, 777, 5000])
+def test_route_matches_reference(ops, cfg, dtype, T):
+    cfg = dict(cfg)
+    E, k = cfg.pop("E"), cfg.pop("k")
+    if cfg.pop("bias", False):
+        cfg["correction_bias"] = torch.randn(E, device=DEV) * 0.1
+    logits = torch.randn(T, E, device=DEV).to(dtype)
+    ids, w, counts = ops.route(logits, k, **cfg)
+    rids, rw, rcounts = reference.route(logits, k, **cfg)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and counts.dtype == torch.int32
+    assert torch.equal(ids, rids)
+    assert torch.equal(counts, rcounts)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
+def test_route_ties_go_to_the_smaller_id(ops):
+    """Integer logits with many exact ties: order and membership follow the stable rule."""
+    logits = torch.randint(-2, 3, (2048, 64), device=DEV).float()
+    for kw in (dict(scoring="softmax"), dict(scoring="sigmoid", n_group=8, topk_group=3)):
+        ids, w, counts = ops.route(logits, 6, **kw)
+        rids, rw, rcounts = reference.route(logits, 6, **kw)
+        assert torch.equal(ids, rids) and torch.equal(counts, rcounts)
+        torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,197 @@
+"""Every CuTeDSL kernel configuration compiles for sm_90a and sm_100a (CPU only, fake tensors),
+and the PTX holds the instructions the design relies on.
+
+Grid (issue 4): dtype {bf16, fp16, fp32} x hidden {128, 576, 2048, 2880, 4096, 7168} x
+(E, k) {(8,2), (64,6), (128,8), (256,8), (384,8)} x mode {decode, prefill} for dispatch and
+combine, plus the routing kernel (softmax, and sigmoid + bias + groups) for each (E, k), plus the
+grid-barrier probe. Compiles run in a process pool of min(2, CPUs) workers, one task per
+(arch, dtype) (about 2.5 minutes on 2 cores).
+
+Optional result cache: set MOE_RUNTIME_COMPILE_CACHE to a directory and a configuration that
+passed (compile + PTX checks) is not recompiled while the key is unchanged. The key hashes the
+text of every kernel, sync and compile-cache source file, this test file and the cutlass
+version, so any edit to a kernel or to the checks recompiles everything; failures are never
+cached.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import pytest
+
+# no module-level cutlass import: the spawned workers must set CUTE_DSL_KEEP before importing it
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
+                                reason="nvidia-cutlass-dsl is not installed")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARCHS = ("sm_90a", "sm_100a")
+DTYPES = ("bfloat16", "float16", "float32")
+HIDDEN = (128, 576, 2048, 2880, 4096, 7168)
+EK = ((8, 2), (64, 6), (128, 8), (256, 8), (384, 8))
+MODES = ("decode", "prefill")
+
+# PTX facts (regexes) per kernel kind. V4_LD/V4_ST: 128-bit global accesses (any element type).
+V4_LD = r"ld\.global(\.[A-Za-z0-9_:]+)*\.v4\.(b32|f32|u32|s32)"
+V4_ST = r"st\.global(\.[A-Za-z0-9_:]+)*\.v4\.(b32|f32|u32|s32)"
+FACTS = {
+    "dispatch_decode": [V4_LD, V4_ST, r"atom\.shared\.add", r"atom\.global(\.release)?(\.gpu)?\.add",
+                        r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32",
+                        r"fence\.acq_rel\.gpu", r"%globaltimer", r"st\.relaxed\.sys\.global\.b32"],
+    "dispatch_slots": [r"atom\.shared\.add", r"atom\.global(\.acq_rel)?(\.gpu)?\.add",
+                       r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"ld\.relaxed\.gpu\.global"],
+    "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx"],
+    "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32"],
+    "route": [r"shfl\.sync\.bfly", r"atom\.shared\.add", r"atom\.global\.acq_rel(\.gpu)?\.add\.u32"],
+    "barrier_probe": [r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32",
+                      r"%globaltimer"],
+}
+FORBID = [r"__local_depot"]  # a register fragment spilled to local memory (CUTEDSL.md P8)
+
+
+def _route_specs():
+    out = []
+    for E, k in EK:
+        for dtype in ("float32", "bfloat16"):
+            out.append(("route", (dtype, E, k, False, False, 1, 1, True)))
+            n_group = 8 if E % 8 == 0 and E >= 64 else 4
+            out.append(("route", (dtype, E, k, True, True, n_group, n_group // 2, True)))
+    return out
+
+
+def specs_for(arch: str, dtype: str) -> list[tuple]:
+    """(kind, getter args) for one (arch, dtype) task; dtype-free kernels go with bf16."""
+    out = []
+    for H in HIDDEN:
+        for E, k in EK:
+            out.append(("dispatch_decode", (dtype, H, E, k)))
+            out.append(("dispatch_copy", (dtype, H, E, k)))
+        for k in sorted({k for _, k in EK}):
+            for mode in MODES:
+                out.append(("combine", (dtype, H, k, mode)))
+    if dtype == "bfloat16":
+        out += [("dispatch_slots", (E, k)) for E, k in EK]
+        out += _route_specs() + [("barrier_probe", ())]
+    return out
+
+
+def source_key() -> str:
+    files = sorted((ROOT / "moe_runtime" / "kernels").glob("*.py")) + \
+        sorted((ROOT / "moe_runtime" / "sync").glob("*.py")) + [pathlib.Path(__file__)]
+    import cutlass
+    h = hashlib.sha256(cutlass.__version__.encode())
+    for f in files:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
+    """Worker: compile every spec of the task not in `cached`; (arch, kind, args, error|None, s)."""
+    os.environ["CUTE_DSL_KEEP"] = "ptx"  # fills .artifacts.PTX; read when cutlass is imported
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="moe_ptx_")
+    from moe_runtime.kernels import cute_compile as cc
+
+    getters = {"dispatch_decode": cc.dispatch_decode_fn, "dispatch_slots": cc.dispatch_slots_fn,
+               "dispatch_copy": cc.dispatch_copy_fn, "combine": cc.combine_fn,
+               "route": cc.route_fn, "barrier_probe": cc.barrier_probe_fn}
+    results = []
+    for kind, args in specs_for(arch, dtype):
+        if _cache_id(key, arch, kind, args) in cached:
+            continue
+        t0 = time.time()
+        try:
+            err = _ptx_problems(kind, args, getters[kind](*args, arch=arch).artifacts.PTX)
+        except Exception as ex:  # reported by the test, per configuration
+            err = f"{type(ex).__name__}: {str(ex)[:400]}"
+        results.append((arch, kind, args, err, time.time() - t0))
+    return results
+
+
+def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
+    need = FACTS[kind]
+    missing = [p for p in need if not re.search(p, ptx)]
+    present = [p for p in FORBID if re.search(p, ptx)]
+    if missing or present:
+        return f"PTX missing {missing} / forbidden present {present}"
+    return None
+
+
+def _cache_id(key: str, arch: str, kind: str, args: tuple) -> str:
+    return hashlib.sha256(repr((key, arch, kind, args)).encode()).hexdigest()[:32]
+
+
+def _cache_path() -> pathlib.Path | None:
+    d = os.environ.get("MOE_RUNTIME_COMPILE_CACHE")
+    return pathlib.Path(d) / "kernels_compile_ok.json" if d else None
+
+
+def test_every_configuration_compiles_for_sm90a_and_sm100a():
+    key = source_key()
+    cache_file = _cache_path()
+    cached = set()
+    if cache_file and cache_file.exists():
+        cached = set(json.loads(cache_file.read_text()).get(key, []))
+    tasks = [(arch, dtype) for arch in ARCHS for dtype in DTYPES]
+    t0 = time.time()
+    workers = max(1, min(2, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        futs = [pool.submit(_compile_task, a, d, key, sorted(cached)) for a, d in tasks]
+        results = [r for f in futs for r in f.result()]
+    wall = time.time() - t0
+    failed = [r for r in results if r[3]]
+    expected = sum(len(specs_for(a, d)) for a, d in tasks)
+    assert len(results) + len(cached & _all_ids(key, tasks)) == expected
+    if cache_file:
+        ok = cached | {_cache_id(key, a, k, g) for a, k, g, e, _ in results if not e}
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps({key: sorted(ok)}))
+    slowest = max((r[4] for r in results), default=0.0)
+    print(f"\n{len(results)} compiled ({expected - len(results)} cached) in {wall:.0f} s with "
+          f"{workers} workers; slowest {slowest:.1f} s")
+    assert not failed, "\n".join(f"{a} {k}{g}: {e}" for a, k, g, e, _ in failed)
+
+
+def _all_ids(key: str, tasks) -> set:
+    return {_cache_id(key, a, k, g) for a, d in tasks for k, g in specs_for(a, d)}
+
+
+def test_spec_grid_covers_the_issue_grid():
+    """The compile grid really is dtypes x hidden x (E, k) x modes (so the test above can fail
+    only by a kernel, not by a shrunken grid)."""
+    dec = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "dispatch_decode"}
+    cpy = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "dispatch_copy"}
+    comb = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "combine"}
+    n = len(ARCHS) * len(DTYPES) * len(HIDDEN) * len(EK)
+    assert len(dec) == len(cpy) == n
+    assert len(comb) == len(ARCHS) * len(DTYPES) * len(HIDDEN) * 3 * len(MODES)
+    routes = [g for k, g in specs_for("sm_90a", "bfloat16") if k == "route"]
+    assert {(g[1], g[2], g[3]) for g in routes} == {(E, k, s) for E, k in EK for s in (False, True)}
+
+
+def test_ptx_checker_rejects_scalar_copies():
+    """The PTX facts catch a kernel that lost its 128-bit accesses."""
+    scalar = "ld.global.b16 %rs1, [%rd1];\nst.global.b16 [%rd2], %rs1;\nshfl.sync.idx.b32 ..."
+    assert "missing" in _ptx_problems("dispatch_copy", (), scalar)
+    vector = "ld.global.v4.b32 {%r1,%r2,%r3,%r4}, [%rd1];\nst.global.v4.b32 [%rd2], {...};\nshfl.sync.idx.b32"
+    assert _ptx_problems("dispatch_copy", (), vector) is None
+    assert _ptx_problems("dispatch_copy", (), vector + "\n.local .align 4 .b8 __local_depot0[16];")
+
+
+def test_hidden_policy_rejects_rows_that_are_not_16_byte_multiples():
+    torch = pytest.importorskip("torch")
+    from moe_runtime.kernels import cute_ops
+
+    for dtype, bad in ((torch.bfloat16, 2884), (torch.float16, 7), (torch.float32, 2882)):
+        t = torch.empty(2, bad, dtype=dtype)
+        with pytest.raises(ValueError, match="multiple of 16 bytes"):
+            cute_ops._check_hidden("x", t)
+    cute_ops._check_hidden("x", torch.empty(2, 2880, dtype=torch.bfloat16))
+    cute_ops._check_hidden("x", torch.empty(2, 4, dtype=torch.float32))
