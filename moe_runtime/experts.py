@@ -103,7 +103,12 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor) -> bool:
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
-        return grouped_mm_supported(x.device.type, x.device.index, x.dtype)
+        return self._rows_16b_aligned(x.dtype) and grouped_mm_supported(x.device.type, x.device.index, x.dtype)
+
+    def _rows_16b_aligned(self, dtype: torch.dtype) -> bool:
+        """torch._grouped_mm needs 16-byte row strides: H and I multiples of 16 bytes."""
+        step = 16 // dtype.itemsize
+        return self.gate_up_proj.shape[-1] % step == 0 and self.intermediate_size % step == 0
 
     def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
         """expert_x [N, H] expert-major, expert_offsets int32 [E_local+1] -> [N, H]."""
@@ -120,7 +125,7 @@ class Experts(nn.Module):
         if device.type == "cpu":
             return True
         grouped = (self.use_grouped_mm if self.use_grouped_mm is not None
-                   else grouped_mm_supported(device.type, device.index, dtype))
+                   else self._rows_16b_aligned(dtype) and grouped_mm_supported(device.type, device.index, dtype))
         return grouped and grouped_mm_host_sync_free(device, dtype)
 
 

@@ -198,11 +198,6 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     if cfg.use_correction_bias:
         layer.router.e_score_correction_bias = block.gate.e_score_correction_bias
     layer.load_expert_weights(block.experts.gate_up_proj, block.experts.down_proj)
-    step = 16 // cfg.dtype.itemsize
-    if cfg.hidden_size % step or cfg.moe_intermediate_size % step:
-        # torch._grouped_mm needs 16-byte row strides (H and I multiples of 16 bytes), which
-        # Experts' device/dtype probe does not check: use the per-expert loop for such shapes.
-        layer.experts.use_grouped_mm = False
     if fam.shared is not None:
         mlp = getattr(block, fam.shared)
         for name in _MLP_NAMES:

@@ -209,3 +209,13 @@ def test_local_topology_identity_and_validation():
         topo.combine(res.expert_x[:, :4], res)
     with pytest.raises(ValueError, match="backend"):
         LocalTopology(8, backend="magic").dispatch(x, ids, w)
+
+
+def test_experts_unaligned_rows_use_loop():
+    """H or I not a multiple of 16 bytes: torch._grouped_mm would raise; Experts loops instead."""
+    torch.manual_seed(2)
+    ex = Experts(3, 6, 5, dtype=torch.float32)
+    offsets = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
+    x = torch.randn(7, 6)
+    ref = Experts(3, 6, 5, gate_up_proj=ex.gate_up_proj, down_proj=ex.down_proj, use_grouped_mm=False)
+    torch.testing.assert_close(ex(x, offsets), ref(x, offsets))
