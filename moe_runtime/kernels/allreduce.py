@@ -34,9 +34,9 @@ from cutlass import Constexpr, Float32, Int32, Int64
 
 from ..comm import peer_buffers as pb
 from .ep_combine import addr_table
-from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, compile_tvm, cross_rank_barrier,
-                        ctas_per_rank, fake_rows, fake_stream, fake_vec, vec_at, vec_elems,
-                        wait_bounds)
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, compile_tvm,
+                        cross_rank_barrier, ctas_per_rank, fake_rows, fake_stream, fake_vec,
+                        vec_at, vec_elems, wait_bounds)
 
 ONESHOT, TWOSHOT, FUSED = 1, 2, 3
 ALGOS = {"oneshot": ONESHOT, "twoshot": TWOSHOT}
@@ -63,11 +63,7 @@ def allreduce_kernel(mTab: cute.Tensor, mOut: cute.Tensor, mEY: cute.Tensor, mSl
     [n_local] expert_y addresses, mSlot int32 [n_local * T, K], mW fp32 [T, K]."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    rl = bidx // cpr
-    lb = bidx - rl * cpr
-    rank = rank0 + rl
+    tidx, rl, lb, rank = block_rank(rank0, cpr)
     err = mTab[pb.F_ERR, rank]
     n = T * nv
     first, stride = lb * threads + tidx, cpr * threads

@@ -29,8 +29,8 @@ from cutlass import Constexpr, Float32, Int32, Int64
 
 from ..comm import peer_buffers as pb
 from .ep_dispatch import EPDispatchHandle, _rows_or_dummy
-from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, chunk_of, compile_tvm, copy_row,
-                        ctas_per_rank, fake_rows, fake_stream, fake_vec, i32_at, vec_at,
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
+                        copy_row, ctas_per_rank, fake_rows, fake_stream, fake_vec, i32_at, vec_at,
                         vec_elems, wait_bounds, wait_ge)
 
 PH_CSEND, PH_CREDUCE = 1, 2
@@ -74,11 +74,7 @@ def combine_kernel(mTab: cute.Tensor, mEY: cute.Tensor, mIds: cute.Tensor, mW: c
     [n_local + 1]."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    rl = bidx // cpr
-    lb = bidx - rl * cpr
-    rank = rank0 + rl
+    tidx, rl, lb, rank = block_rank(rank0, cpr)
     tok0 = mTok[rl]
     T = mTok[rl + 1] - tok0
     err = mTab[pb.F_ERR, rank]

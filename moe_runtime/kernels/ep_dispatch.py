@@ -43,8 +43,8 @@ import cuda.bindings.driver as cuda
 from cutlass import Constexpr, Int32, Int64
 
 from ..comm import peer_buffers as pb
-from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, chunk_of, compile_tvm, copy_row,
-                        ctas_per_rank, fake_rows, fake_stream, fake_vec, i32_at,
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
+                        copy_row, ctas_per_rank, fake_rows, fake_stream, fake_vec, i32_at,
                         rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
 
 PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV = 1, 2, 4, 8
@@ -71,11 +71,7 @@ def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok:
     mIds int32 [sum T, K]; mTok int32 [n_local + 1] token offsets of the local ranks."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    rl = bidx // cpr
-    lb = bidx - rl * cpr
-    rank = rank0 + rl
+    tidx, rl, lb, rank = block_rank(rank0, cpr)
     tok0 = mTok[rl]
     T = mTok[rl + 1] - tok0
     err = mTab[pb.F_ERR, rank]

@@ -70,6 +70,17 @@ def copy_row(src: Int64, src_row: Int32, dst: Int64, dst_row: Int32, tidx: Int32
                 vec_at(dst, dst_row, c, nv, dtype).store(vals[i])
 
 
+@cute.jit
+def block_rank(rank0: Int32, cpr: Constexpr[int]):
+    """(thread, local rank index, CTA index within its rank, rank) of this thread: the CTAs of a
+    launch are split among its ranks, cpr per rank, CTA b serving rank rank0 + b // cpr (one
+    rank per GPU: rank0 = that rank; W virtual ranks on one GPU: rank0 = 0)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rl = bidx // cpr
+    return tidx, rl, bidx - rl * cpr, rank0 + rl
+
+
 # ------------------------------------------------------------------------------ bounded waits
 @cute.jit
 def record_error(err: Int64, phase: Int32, peer: Int32, expected: Int32, seen: Int32):

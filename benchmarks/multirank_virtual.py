@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Multi-rank cute kernels: µs per call and bytes moved, W in {2, 4, 8} virtual ranks on ONE GPU.
+
+A functional proxy: every "link" is this GPU's HBM, so the numbers show the kernels' cost and
+protocol overhead, not NVLink speed. Per (W, tokens per rank T):
+    dispatch (decode and/or prefill mode), dispatch + combine (identity experts: expert_y is the
+    expert_x view), all-reduce one-shot / two-shot of [T, H] per rank, and the decode fusion of
+    the tp combine with the one-shot.
+Timing: `gpu us` = GPU time per call with the launches queued behind a sleep kernel (host cost
+hidden); `host us` = wall time per call of the eager Python call (TVM-FFI launches, no sync).
+Bytes moved = rows that cross between ranks (dispatch/combine: W*T*k rows of H; one-shot:
+W*(W-1)*T*H; two-shot: 2*(W-1)*T*H elements). Never asserts a time.
+
+    python3 benchmarks/multirank_virtual.py                     # H 7168, k 8, E 256, bf16
+    python3 benchmarks/multirank_virtual.py --worlds 2 --tokens 128 --iters 5
+    torchrun --nproc-per-node 8 benchmarks/multirank_virtual.py --real   # later multi-GPU issue:
+        one rank per GPU, peer buffers from symmetric memory / CUDA IPC (not run yet)
+Writes JSON (--out, default bench_out/multirank_virtual.json) and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moe_runtime.comm import peer_buffers as pb  # noqa: E402
+from moe_runtime.comm.virtual import VirtualRanks  # noqa: E402
+from moe_runtime.kernels import reference  # noqa: E402
+from moe_runtime.kernels.allreduce import all_reduce, ar_input, tp_combine_all_reduce  # noqa: E402
+from moe_runtime.kernels.ep_combine import ep_combine  # noqa: E402
+from moe_runtime.kernels.ep_dispatch import ep_dispatch  # noqa: E402
+
+
+def gpu_us(fn, n):
+    """GPU time per call: a sleep kernel holds the stream while the host queues n calls."""
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e8))  # ~0.1 s at ~2 GHz: longer than queueing n calls
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / n
+
+
+def host_us(fn, n):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) * 1e6 / n
+    torch.cuda.synchronize()
+    return dt
+
+
+def routing(T, E, K, gen, device):
+    ids = torch.rand(T, E, device=device, generator=gen).topk(K, dim=1).indices.to(torch.int32)
+    return ids, torch.softmax(torch.randn(T, K, device=device, generator=gen), dim=1)
+
+
+def bench_world(W, tokens, a, rows):
+    dev = torch.device("cuda")
+    H, K, E = a.hidden, a.topk, a.experts
+    vr = VirtualRanks(W, max(tokens), H, K, E, device=dev)
+    b, gen = vr.bufs, torch.Generator(device=dev).manual_seed(W)
+    print(f"# {b.describe()}", flush=True)
+    for T in tokens:
+        n = a.iters
+        x = torch.randn(W * T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+        ids, w = routing(W * T, E, K, gen, dev)
+        toks = [T] * W
+        row_bytes = H * 2
+        modes = ["decode", "prefill"] if T <= a.decode_max else ["prefill"]
+        for mode in modes:
+            h = ep_dispatch(b, x, ids, toks, mode=mode, timeout_s=a.timeout)  # warm + checked
+            ep_combine(b, h, h.expert_x, w, timeout_s=a.timeout)
+            disp = lambda: ep_dispatch(b, x, ids, toks, mode=mode, timeout_s=a.timeout,  # noqa: E731
+                                       check=False)
+
+            def pair():
+                hh = disp()
+                ep_combine(b, hh, hh.expert_x, w, timeout_s=a.timeout, check=False)
+            moved = W * T * K * row_bytes
+            for name, fn, nbytes in (("dispatch", disp, moved), ("dispatch+combine", pair, 2 * moved)):
+                g, hst = gpu_us(fn, n), host_us(fn, n)
+                b.check_errors(f"{name} W={W} T={T}")
+                rows.append(dict(W=W, T=T, op=name, mode=mode, gpu_us=g, host_us=hst, bytes=nbytes,
+                                 gbps=nbytes / g / 1e3))
+                print(f"  W={W} T={T} {name:<17} {mode:<8} gpu {g:9.1f} us  host {hst:8.1f} us  "
+                      f"{nbytes / 2**20:9.1f} MiB  {nbytes / g / 1e3:7.1f} GB/s", flush=True)
+        for algo in ("oneshot", "twoshot"):
+            for i in range(W):
+                ar_input(b, T, i).normal_(generator=gen)
+            fn = lambda: all_reduce(b, None, T, algo=algo, timeout_s=a.timeout, check=False)  # noqa: E731
+            all_reduce(b, None, T, algo=algo, timeout_s=a.timeout)
+            g, hst = gpu_us(fn, n), host_us(fn, n)
+            b.check_errors(f"{algo} W={W} T={T}")
+            nbytes = (W * (W - 1) if algo == "oneshot" else 2 * (W - 1)) * T * row_bytes
+            rows.append(dict(W=W, T=T, op=f"allreduce {algo}", mode="-", gpu_us=g, host_us=hst,
+                             bytes=nbytes, gbps=nbytes / g / 1e3))
+            print(f"  W={W} T={T} allreduce {algo:<7}  gpu {g:9.1f} us  host {hst:8.1f} us  "
+                  f"{nbytes / 2**20:9.1f} MiB  {nbytes / g / 1e3:7.1f} GB/s", flush=True)
+        if T <= a.decode_max:  # tp decode: local combine fused with the one-shot
+            xr, El = x[:T], E // W
+            idr, wr = ids[:T], w[:T]
+            eys, slots = [], []
+            for r in range(W):
+                ex, _o, slot = reference.dispatch(xr, idr, expert_start=r * El, num_local_experts=El)
+                eys.append(ex)
+                slots.append(slot)
+            slots = torch.stack(slots)
+            fn = lambda: tp_combine_all_reduce(b, eys, slots, wr, timeout_s=a.timeout,  # noqa: E731
+                                               check=False)
+            tp_combine_all_reduce(b, eys, slots, wr, timeout_s=a.timeout)
+            g, hst = gpu_us(fn, n), host_us(fn, n)
+            b.check_errors(f"tp fused W={W} T={T}")
+            nbytes = W * (W - 1) * T * row_bytes
+            rows.append(dict(W=W, T=T, op="tp combine+allreduce", mode="decode", gpu_us=g,
+                             host_us=hst, bytes=nbytes, gbps=nbytes / g / 1e3))
+            print(f"  W={W} T={T} tp combine+AR     decode   gpu {g:9.1f} us  host {hst:8.1f} us",
+                  flush=True)
+    del vr, b
+    torch.cuda.empty_cache()
+
+
+def real_mode(a):
+    """One rank per GPU under torchrun (the later multi-GPU issue). NOT run yet."""
+    import torch.distributed as dist
+    dist.init_process_group("nccl")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    rows = []
+    for T in a.tokens:
+        spec = pb.PeerSpec(W, T, a.hidden, a.topk, a.experts)
+        b = pb.PeerBuffers.from_process_group(spec)
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        x = torch.randn(T, a.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ids, w = routing(T, a.experts, a.topk, gen, "cuda")
+
+        def pair():
+            h = ep_dispatch(b, x, ids, timeout_s=a.timeout, check=False)
+            ep_combine(b, h, h.expert_x, w, timeout_s=a.timeout, check=False)
+        pair()
+        b.check_errors("warm-up")
+        dist.barrier()
+        g = gpu_us(pair, a.iters)
+        b.check_errors("timed")
+        rows.append(dict(W=W, T=T, op="dispatch+combine", mode="auto", gpu_us=g, rank=rank))
+    if rank == 0:
+        print(json.dumps(rows, indent=1))
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--tokens", default="128,4096", help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--decode-max", type=int, default=128, help="also time decode mode up to this T")
+    ap.add_argument("--timeout", type=float, default=10.0, help="device wait bound, s")
+    ap.add_argument("--out", default="bench_out/multirank_virtual.json")
+    ap.add_argument("--real", action="store_true", help="one rank per GPU under torchrun (multi-GPU)")
+    a = ap.parse_args(argv)
+    a.worlds = [int(v) for v in a.worlds.split(",")]
+    a.tokens = [int(v) for v in a.tokens.split(",")]
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 0
+    if a.real:
+        return real_mode(a)
+    rows = []
+    for W in a.worlds:
+        try:
+            bench_world(W, a.tokens, a, rows)
+        except Exception as ex:  # report and go on with the next W
+            print(f"  W={W}: FAILED {type(ex).__name__}: {ex}", flush=True)
+            rows.append(dict(W=W, op="error", error=f"{type(ex).__name__}: {ex}"))
+    meta = dict(device=torch.cuda.get_device_name(), hidden=a.hidden, topk=a.topk,
+                experts=a.experts, dtype="bfloat16", iters=a.iters, note="virtual ranks on one "
+                "GPU: HBM stands in for NVLink (functional proxy)")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\n# {meta['device']}, H={a.hidden} k={a.topk} E={a.experts} bf16, {a.iters} calls each;"
+          f" JSON: {a.out}")
+    print(f"{'W':>2} {'T/rank':>6} {'op':<22} {'mode':<8} {'gpu us':>9} {'host us':>9} "
+          f"{'MiB moved':>10} {'GB/s':>8}")
+    for r in rows:
+        if r.get("op") == "error":
+            print(f"{r['W']:>2} {'':>6} ERROR {r['error'][:100]}")
+            continue
+        print(f"{r['W']:>2} {r['T']:>6} {r['op']:<22} {r['mode']:<8} {r['gpu_us']:>9.1f} "
+              f"{r['host_us']:>9.1f} {r['bytes'] / 2**20:>10.1f} {r['gbps']:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
