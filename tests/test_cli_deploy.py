@@ -1,0 +1,195 @@
+"""The `moe-runtime` command line and the Ray job entry, as a user runs them (subprocesses):
+make-checkpoint, demo (embedded Ray, 2 CPU ranks), Ctrl-C during generate leaves no Ray process
+behind, and `ray job submit -- python -m moe_runtime.deploy` on a local Ray head."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from moe_runtime.cli import main as cli_main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("cli") / "tiny")
+    assert cli_main(["make-checkpoint", "--arch", "qwen3-moe", "--preset", "tiny", out]) == 0
+    return out
+
+
+@pytest.fixture
+def short_tmp():
+    """A short directory for Ray's sockets (Unix socket paths are limited to ~107 bytes)."""
+    d = tempfile.mkdtemp(prefix="mrt", dir="/tmp")
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(extra)
+    return env
+
+
+def _parents() -> dict[int, int]:
+    out = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                out[int(pid)] = int(fields[1])
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    parents, found, frontier = _parents(), set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _mentioning(text: str) -> set[int]:
+    """Live processes whose command line contains `text` (e.g. a Ray temp dir)."""
+    out = set()
+    for pid in _parents():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    out.add(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pids) -> set[int]:
+    return set(pids) & set(_parents())
+
+
+def _wait_dead(pids, timeout_s=20.0) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(pids)
+
+
+def test_make_checkpoint_cli_writes_hf_loadable_sharded_mixtral(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = str(tmp_path / "mx")
+    assert cli_main(["make-checkpoint", "--arch", "mixtral", "--preset", "tiny",
+                     "--max-shard-size", "100KB", out]) == 0
+    assert "wrote mixtral tiny checkpoint" in capsys.readouterr().out
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.decode(tok("hello world")["input_ids"]) == "hello world"
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "MixtralForCausalLM"
+    assert cli_main(["make-checkpoint", "--preset", "tiny", out]) == 1  # not empty
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_demo_runs_two_cpu_ranks_under_embedded_ray(tmp_path, short_tmp):
+    cache = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, "-m", "moe_runtime.cli", "demo", "--max-new-tokens", "4"],
+                       env=_env(MOE_RUNTIME_CACHE=cache, RAY_TMPDIR=short_tmp),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert f"demo checkpoint: {cache}/qwen3-moe-tiny" in out
+    assert "topology: dp_p2p (world size 2) -- data-parallel attention" in out
+    assert out.count("completion: ") == 3 and "(4 tokens, length)" in out
+    assert "prefill: " in out and " tok/s; decode: " in out
+    assert _wait_dead(_mentioning(short_tmp)) == set()  # embedded Ray stopped with the command
+
+
+def test_ctrl_c_during_generate_leaves_no_ray_processes(ckpt, short_tmp, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\nThe quick brown fox\n\nA mixture of experts\n")
+    p = subprocess.Popen(["moe-runtime", "generate", "--model", ckpt, "--prompts-file", str(prompts),
+                          "--world-size", "2", "--topology", "tp", "--max-new-tokens", "490",
+                          "--no-progress"],
+                         env=_env(RAY_TMPDIR=short_tmp), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in p.stdout:  # wait until the ranks are loaded and generation has started
+            lines.append(line)
+            if line.startswith("loaded "):
+                break
+        assert lines and lines[-1].startswith("loaded "), "".join(lines)
+        ray_procs = _descendants(p.pid) | _mentioning(short_tmp)
+        assert len(ray_procs) >= 4, ray_procs  # gcs, raylet, 2 rank actors at least
+        p.send_signal(signal.SIGINT)
+        rest = p.stdout.read()
+        assert p.wait(timeout=60) == 130, rest
+        assert "interrupted" in rest and "completion:" not in rest
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert _wait_dead(ray_procs) == set()
+    assert _wait_dead(_mentioning(short_tmp)) == set()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _stop_head(temp_dir: str) -> set[int]:
+    """Stop the Ray head started with --temp-dir temp_dir, and only it (`ray stop` would kill
+    every Ray on the machine). Returns the pids still alive afterwards."""
+    procs = _mentioning(temp_dir)
+    procs |= {d for p in procs for d in _descendants(p)}
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        for pid in _alive(procs):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if not _wait_dead(procs, wait):
+            break
+    return _alive(procs)
+
+
+def test_ray_job_submit_runs_the_deploy_entry(ckpt, short_tmp):
+    gcs, dash, client, agent = _free_ports(4)
+    env = _env(RAY_AUTH_MODE="disabled")  # a 127.0.0.1-only test head; see deploy/README.md
+    start = subprocess.run(
+        ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+         "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+         "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
+         "--num-cpus", "4", "--num-gpus", "0", "--object-store-memory", str(100 * 1024 ** 2),
+         "--temp-dir", short_tmp, "--disable-usage-stats"],
+        env=env, capture_output=True, text=True, timeout=120)
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        job = subprocess.run(
+            ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--",
+             "python", "-m", "moe_runtime.deploy", "--model", ckpt, "--world-size", "2",
+             "--prompt", "Hello", "--prompt", "The quick brown fox", "--max-new-tokens", "6",
+             "--no-progress"],
+            env=env, capture_output=True, text=True, timeout=300)
+        out = job.stdout + job.stderr
+        assert job.returncode == 0, out
+        assert "succeeded" in out, out
+        assert "topology: dp_p2p (world size 2)" in out and "[1] completion: " in out, out
+        assert "(6 tokens, length)" in out and "prefill: " in out
+    finally:
+        left = _stop_head(short_tmp)
+    assert left == set()
