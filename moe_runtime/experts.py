@@ -100,10 +100,11 @@ class Experts(nn.Module):
         self.intermediate_size = I
         self.use_grouped_mm = use_grouped_mm
 
-    def _grouped(self, x: torch.Tensor) -> bool:
+    def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether forward takes torch._grouped_mm (else the per-expert loop)."""
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
-        return self._rows_16b_aligned(x.dtype) and grouped_mm_supported(x.device.type, x.device.index, x.dtype)
+        return self._rows_16b_aligned(dtype) and grouped_mm_supported(device.type, device.index, dtype)
 
     def _rows_16b_aligned(self, dtype: torch.dtype) -> bool:
         """torch._grouped_mm needs 16-byte row strides: H and I multiples of 16 bytes."""
@@ -112,7 +113,7 @@ class Experts(nn.Module):
 
     def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
         """expert_x [N, H] expert-major, expert_offsets int32 [E_local+1] -> [N, H]."""
-        grouped = self._grouped(expert_x)
+        grouped = self._grouped(expert_x.device, expert_x.dtype)
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)
@@ -124,9 +125,7 @@ class Experts(nn.Module):
         device = torch.device(device)
         if device.type == "cpu":
             return True
-        grouped = (self.use_grouped_mm if self.use_grouped_mm is not None
-                   else self._rows_16b_aligned(dtype) and grouped_mm_supported(device.type, device.index, dtype))
-        return grouped and grouped_mm_host_sync_free(device, dtype)
+        return self._grouped(device, dtype) and grouped_mm_host_sync_free(device, dtype)
 
 
 class SharedExpert(nn.Module):
