@@ -5,12 +5,13 @@ Shapes (bf16): Qwen3-30B-A3B (H 2048, E 128, k 8), DeepSeek-V3 (7168, 256, 8), M
 (4096, 8, 2); T in {1, 8, 64, 128, 512, 4096, 16384}.
 Per row: µs per call from CUDA-graph replay (REPS calls captured in one graph), achieved TB/s on
 the bytes read + written once (dispatch: x and T*k rows; combine: T*k rows and y; plus the int32
-index tensors), the ratio to the device copy bandwidth measured in the same run (a graph-replayed
-torch copy of 1 GiB), the speedup over the torch reference (eager; it syncs the host), and the
+index tensors), the ratio to the device copy bandwidth measured in the same run (the best of
+graph-replayed torch copy_ and an elementwise kernel on 256 MiB and 1 GiB), the speedup over the torch reference (eager; it syncs the host), and the
 targets: T >= 4096 -> >= 90% of copy bandwidth; T <= 128 -> <= 1.2 x (graph-replayed empty
 CuTeDSL kernel + the bytes at copy bandwidth).
-Switch point: decode vs prefill timed over a finer T sweep per shape; the crossing, in bytes of
-expert rows moved (T*k*H*2), is printed and stored under "switch_point".
+Switch point: decode vs prefill timed over a finer T sweep per shape; the per-shape crossing, in
+bytes of expert rows moved (T*k*H*2), and the single threshold with the least total slowdown
+over all sweep points are printed and stored under "crossing_bytes" / "switch_point".
 Never asserts a time. Usage: python benchmarks/local_dispatch_combine.py --out bench_out/x.json
 """
 from __future__ import annotations
@@ -81,13 +82,19 @@ def eager_us(fn, reps=5) -> float:
     return a.elapsed_time(b) * 1e3 / reps
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
-    n = 1 << 29
-    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    us = graph_us(lambda: dst.copy_(src), reps=5)
-    return 2 * n * 2 / (us * 1e-6)
+def copy_bandwidth() -> dict:
+    """Bytes/s (read + write counted) of device copies of 256 MiB and 1 GiB: torch copy_
+    (cudaMemcpy D2D) and an elementwise kernel (mul by 1). "best" is the baseline used."""
+    res = {}
+    for mib in (256, 1024):
+        n = mib << 19  # bf16 elements
+        src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+        dst = torch.empty_like(src)
+        res[f"copy_{mib}MiB"] = 4 * n / (graph_us(lambda: dst.copy_(src), reps=5) * 1e-6)
+        res[f"mul1_{mib}MiB"] = 4 * n / (graph_us(lambda: torch.mul(src, 1, out=dst), reps=5) * 1e-6)
+        del src, dst
+    res["best"] = max(res.values())
+    return res
 
 
 def empty_kernel_us() -> float:
@@ -169,6 +176,21 @@ def sweep(name, H, E, k):
     return pts, cross
 
 
+def best_threshold(sweeps: dict, op: str) -> int:
+    """The decode-if-moved<=threshold rule with the least total slowdown over every sweep point
+    of every shape (sum of chosen time / best time), candidates = the measured sizes."""
+    pts = [p for ps in sweeps.values() for p in ps]
+
+    def cost(th):
+        total = 0.0
+        for p in pts:
+            dec = p.get(f"{op}_decode", float("inf"))
+            chosen = dec if p["moved"] <= th else p[f"{op}_prefill"]
+            total += chosen / min(dec, p[f"{op}_prefill"])
+        return total
+    return min(sorted({0} | {p["moved"] for p in pts}), key=cost)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/local_dispatch_combine.json")
@@ -176,9 +198,11 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.cuda.get_device_properties(0)
-    bw = copy_bandwidth()
+    copies = copy_bandwidth()
+    bw = copies["best"]
     empty = empty_kernel_us()
-    print(f"{dev.name} ({dev.multi_processor_count} SMs): copy {bw / 1e12:.2f} TB/s, "
+    print(f"{dev.name} ({dev.multi_processor_count} SMs): copy bandwidth (best) {bw / 1e12:.2f} TB/s "
+          f"[{', '.join(f'{k} {v / 1e12:.2f}' for k, v in copies.items() if k != 'best')}], "
           f"graph-replayed empty CuTeDSL kernel {empty:.2f} us")
     rows, sweeps, cross = [], {}, {}
     for name, (H, E, k) in SHAPES.items():
@@ -186,8 +210,9 @@ def main():
             rows += measure(name, H, E, k, T, bw, empty)
         if not args.no_sweep:
             sweeps[name], cross[name] = sweep(name, H, E, k)
-    switch = {op: min(c[op] for c in cross.values()) for op in ("dispatch", "combine")} if cross else {}
+    switch = {op: best_threshold(sweeps, op) for op in ("dispatch", "combine")} if cross else {}
     result = dict(device=dev.name, sms=dev.multi_processor_count, copy_tbps=bw / 1e12,
+                  copy_variants_tbps={k: v / 1e12 for k, v in copies.items()},
                   empty_kernel_us=empty, rows=rows, sweep=sweeps, crossing_bytes=cross,
                   switch_point=dict(
                       measured_bytes=switch,
@@ -201,7 +226,7 @@ def main():
         print("decode/prefill crossing (bytes of expert rows moved, T*k*H*2):")
         for name, c in cross.items():
             print(f"  {name:14s} dispatch <= {c['dispatch']:>10d}  combine <= {c['combine']:>10d}")
-        print(f"  switch point used: dispatch {switch['dispatch']} B, combine {switch['combine']} B "
+        print(f"  best single threshold: dispatch {switch['dispatch']} B, combine {switch['combine']} B "
               f"(in code now: {cute_ops.DISPATCH_DECODE_MAX_BYTES}, {cute_ops.COMBINE_DECODE_MAX_BYTES})")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
           f"{'ref us':>9s} {'speedup':>7s} {'target':>15s} met")

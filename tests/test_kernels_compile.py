@@ -39,9 +39,10 @@ HIDDEN = (128, 576, 2048, 2880, 4096, 7168)
 EK = ((8, 2), (64, 6), (128, 8), (256, 8), (384, 8))
 MODES = ("decode", "prefill")
 
-# PTX facts (regexes) per kernel kind. V4_LD/V4_ST: 128-bit global accesses (any element type).
-V4_LD = r"ld\.global(\.[A-Za-z0-9_:]+)*\.v4\.(b32|f32|u32|s32)"
-V4_ST = r"st\.global(\.[A-Za-z0-9_:]+)*\.v4\.(b32|f32|u32|s32)"
+# PTX facts (regexes) per kernel kind. V4_LD/V4_ST: 128-bit global accesses, as 4 x 32 bits
+# (sm_90a, and 16-bit types on sm_100a) or 2 x 64 bits (fp32 rows on sm_100a).
+V4_LD = r"ld\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
+V4_ST = r"st\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
 FACTS = {
     "dispatch_decode": [V4_LD, V4_ST, r"atom\.shared\.add", r"atom\.global(\.release)?(\.gpu)?\.add",
                         r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32",

@@ -5,14 +5,17 @@ segment (the mode: decode uses small segments so a few tokens still spread over 
 prefill larger ones). Dynamic: T tokens, N expert rows.
 One warp per (token, row segment), grid = ceil(T * NSEG / WARPS). Lanes j < K load slot and
 weight of pick j and the warp broadcasts them by shuffles; the K gathered segments are all
-loaded (128-bit) before any arithmetic, accumulated in fp32 registers in order j = 0..K-1
-(as the reference), converted to the input dtype and stored with 128-bit stores.
+loaded (128-bit, no branch around them) before any arithmetic, accumulated in fp32 registers
+in order j = 0..K-1 (as the reference; a -1 pick is selected away, so a NaN in the row it
+read cannot leak), converted to the input dtype and stored with 128-bit stores.
+Requires expert_y to have at least one row (the host returns zeros without launching when
+it has none).
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Constexpr, Float32, Int32
+from cutlass import Boolean, Constexpr, Float32, Int32
 
 from .device_rows import load_segment, num_segments, row_vectors, store_segment, vec_width, \
     warp_unit
@@ -33,25 +36,21 @@ def combine_kernel(mY: cute.Tensor, mSlot: cute.Tensor, mW: cute.Tensor, mOut: c
         if lane < K:
             my_slot = mSlot[t, lane]
             my_w = mW[t, lane]
+        # all K gathers first (unconditional: a -1 pick reads row 0 and is discarded below)
+        srcs = []
         frags = []
-        weights = []
         for j in cutlass.range_constexpr(K):
-            src = cute.arch.shuffle_sync(my_slot, offset=j)
+            srcs.append(cute.arch.shuffle_sync(my_slot, offset=j))
+            frags.append(cute.make_rmem_tensor(cute.make_layout((VEC, V)), dtype))
+            load_segment(row_vectors(mY[cutlass.max(srcs[j], 0), None], VEC), frags[j], lane, seg,
+                         V, NV)
+        acc = cute.full((VEC, V), 0.0, Float32)
+        for j in cutlass.range_constexpr(K):
             w = cute.arch.shuffle_sync(my_w, offset=j)
-            frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), dtype)
-            frag.fill(0.0)
-            if src >= 0:
-                load_segment(row_vectors(mY[src, None], VEC), frag, lane, seg, V, NV)
-            else:
-                w = Float32(0.0)
-            frags.append(frag)
-            weights.append(w)
-        acc = cute.make_rmem_tensor(cute.make_layout((VEC, V)), Float32)
-        acc.fill(0.0)
-        for j in cutlass.range_constexpr(K):
-            acc.store(acc.load() + frags[j].load().to(Float32) * weights[j])
+            keep = cute.full((VEC, V), srcs[j] >= 0, Boolean)
+            acc = acc + cute.where(keep, frags[j].load().to(Float32) * w, Float32(0.0))
         res = cute.make_rmem_tensor(cute.make_layout((VEC, V)), dtype)
-        res.store(acc.load().to(dtype))
+        res.store(acc.to(dtype))
         store_segment(row_vectors(mOut[t, None], VEC), res, lane, seg, V, NV)
 
 

@@ -322,6 +322,8 @@ def combine_in_mode(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weigh
     H = expert_y.shape[1]
     _check_rows_fit("y", T, H)
     raise_pending()
+    if T and expert_y.shape[0] == 0:  # every pick must be -1: nothing to gather
+        return torch.zeros(T, H, dtype=expert_y.dtype, device=expert_y.device)
     y = torch.empty(T, H, dtype=expert_y.dtype, device=expert_y.device)
     if T:
         cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, mode)(expert_y, token_slot,

@@ -3,9 +3,12 @@
 Row segments: a row of `hidden` elements is viewed as nv = hidden / VEC vectors of 16 bytes
 (VEC = 16 / element bytes: 8 for bf16/fp16, 4 for fp32). A warp moves a row in segments of
 32 * V vectors: lane l handles vectors seg * 32 * V + i * 32 + l for i < V, so each
-instruction of the warp touches 512 contiguous bytes. Vectors past nv (the last, partial
-segment) are predicated off. Callers issue all loads of a segment before its stores
-(CUTEDSL.md P10: loads are not reordered across stores that might alias).
+instruction of the warp touches 512 contiguous bytes. Loads are never inside a branch: in
+the last, partial segment the lanes past nv re-load vector nv - 1 (in bounds, discarded) and
+only the stores are predicated. A load under a branch made the compiler convert its result
+inside the branch, i.e. wait for it there, which serialized the k gathers of combine (measured
+on the H200: 1.8 TB/s instead of 3.4). Callers issue all loads of a segment before its
+stores (CUTEDSL.md P10: loads are not reordered across stores that might alias).
 """
 from __future__ import annotations
 
@@ -35,20 +38,18 @@ def row_vectors(row: cute.Tensor, vec: int) -> cute.Tensor:
 @cute.jit
 def load_segment(src: cute.Tensor, frag: cute.Tensor, lane: Int32, seg: Int32,
                  V: Constexpr[int], nv: Constexpr[int]):
-    """frag[:, i] = src vector (seg * 32 * V + i * 32 + lane) for i < V; vectors >= nv skipped."""
+    """frag[:, i] = src vector min(seg * 32 * V + i * 32 + lane, nv - 1) for i < V."""
     for i in cutlass.range_constexpr(V):
         c = seg * (32 * V) + i * 32 + lane
-        if cutlass.const_expr(nv % (32 * V) == 0):
-            frag[None, i].store(src[None, c].load())
-        else:
-            if c < nv:
-                frag[None, i].store(src[None, c].load())
+        if cutlass.const_expr(nv % (32 * V) != 0):
+            c = cutlass.min(c, nv - 1)
+        frag[None, i].store(src[None, c].load())
 
 
 @cute.jit
 def store_segment(dst: cute.Tensor, frag: cute.Tensor, lane: Int32, seg: Int32,
                   V: Constexpr[int], nv: Constexpr[int]):
-    """Inverse of `load_segment`."""
+    """dst vector (seg * 32 * V + i * 32 + lane) = frag[:, i] for i < V, vectors >= nv skipped."""
     for i in cutlass.range_constexpr(V):
         c = seg * (32 * V) + i * 32 + lane
         if cutlass.const_expr(nv % (32 * V) == 0):

@@ -11,7 +11,8 @@ items [b * ipb, (b + 1) * ipb) of the flattened [T, K] ids, ipb <= WARPS * 32.
   grid barrier (sync/grid_barrier.py): all counts are final.
   phase 2 (offsets + copy): every block scans the padded global counts itself (E values),
       slot = offset[e] + base[e] + rank; block 0 writes expert_offsets; then the block's warps
-      copy its items' rows in 128-bit segments.
+      copy its items' rows in 128-bit segments (each warp's first segment was loaded before
+      the barrier, so at decode sizes the copy costs one store latency after it).
 Counters are double-buffered by the barrier's parity bit: this launch adds into
 counts[phase] and clears counts[1 - phase] for the next launch, so nothing is memset.
 Workspace int32 [workspace_words(E)]: [0] barrier word, [4 : 4 + 2E] counts[2][E].
@@ -77,6 +78,14 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
     cute.arch.sync_threads()
     add_block_counts(s_cnt, counts, s_base, E, THREADS)
 
+    # prefetch: the warp's first row segment depends only on its item, not on the slots, so its
+    # load overlaps the barrier (clamped in range; unused when the warp has no unit)
+    n_mine = cutlass.max(cutlass.min(ipb, n_items - first), 0)
+    frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
+    it0 = warp // NSEG
+    row0 = cutlass.min(first + cutlass.min(it0, cutlass.max(n_mine - 1, 0)), n_items - 1) // K
+    load_segment(row_vectors(mX[row0, None], VEC), frag, lane, warp - it0 * NSEG, V, NV)
+
     ok = grid_barrier(bar, s_flag.iterator, err_addr, max_iters, timeout_ns, site)
 
     # ---- phase 2: offsets from the final counts, slots, row copies
@@ -98,14 +107,13 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
         s_slot[tidx] = slot
         cute.arch.sync_threads()
 
-        n_mine = cutlass.max(cutlass.min(ipb, n_items - first), 0)
-        frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
         for u in cutlass.range(warp, n_mine * NSEG, WARPS):
             it = u // NSEG
             seg = u - it * NSEG
+            if u != warp:
+                load_segment(row_vectors(mX[(first + it) // K, None], VEC), frag, lane, seg, V, NV)
             dst = s_slot[it]
             if dst >= 0:
-                load_segment(row_vectors(mX[(first + it) // K, None], VEC), frag, lane, seg, V, NV)
                 store_segment(row_vectors(mOut[dst, None], VEC), frag, lane, seg, V, NV)
 
 

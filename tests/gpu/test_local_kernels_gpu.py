@@ -251,6 +251,9 @@ def test_combine_ignores_nan_rows_of_unused_slots(ops):
     w = torch.rand(2, 2, device=DEV)
     for mode in MODES:
         check_combine(ops.combine_in_mode(expert_y, slot, w, mode=mode), expert_y, slot, w, 1e-2)
+    no_rows = _real_empty(0, 1024, device=DEV, dtype=torch.bfloat16)
+    y = ops.combine(no_rows, torch.full((3, 2), -1, device=DEV, dtype=torch.int32), w[:1].expand(3, 2).contiguous())
+    assert torch.equal(y, torch.zeros(3, 1024, device=DEV, dtype=torch.bfloat16))
 
 
 # -------------------------------------------------------------------------------------- route
