@@ -4,8 +4,8 @@
     moe-runtime generate --model DIR --prompt "Hello" --world-size 2 --topology auto
     moe-runtime demo            # tiny Qwen3-MoE checkpoint (made once, cached), 2 CPU ranks
 
-Ctrl-C (SIGINT) stops generation, kills the rank actors and stops an embedded Ray: no Ray
-processes are left behind. Exit codes: 0 ok, 1 error, 2 usage, 130 interrupted.
+Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops generation, kills the rank actors and stops
+an embedded Ray: no Ray processes are left behind. Exit codes: 0 ok, 1 error, 2 usage, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -104,6 +104,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
     engine = None
+    previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
         engine = Engine(model_dir, world_size=args.world_size or 1, topology=args.topology,
                         attention=args.attention,
@@ -116,11 +117,17 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
         print("interrupted: shutting down the ranks", file=sys.stderr, flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the clean-up
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if engine is not None:
             engine.shutdown()
         _stop_ray()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _stop_ray() -> None:

@@ -1,6 +1,6 @@
 """The `moe-runtime` command line and the Ray job entry, as a user runs them (subprocesses):
-make-checkpoint, demo (embedded Ray, 2 CPU ranks), Ctrl-C during generate leaves no Ray process
-behind, and `ray job submit -- python -m moe_runtime.deploy` on a local Ray head."""
+make-checkpoint, demo (embedded Ray, 2 CPU ranks), Ctrl-C or SIGTERM during generate leaves no
+Ray process behind, and `ray job submit -- python -m moe_runtime.deploy` on a local Ray head."""
 from __future__ import annotations
 
 import os
@@ -113,7 +113,8 @@ def test_demo_runs_two_cpu_ranks_under_embedded_ray(tmp_path, short_tmp):
     assert _wait_dead(_mentioning(short_tmp)) == set()  # embedded Ray stopped with the command
 
 
-def test_ctrl_c_during_generate_leaves_no_ray_processes(ckpt, short_tmp, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_signal_during_generate_leaves_no_ray_processes(ckpt, short_tmp, tmp_path, sig):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\nThe quick brown fox\n\nA mixture of experts\n")
     p = subprocess.Popen(["moe-runtime", "generate", "--model", ckpt, "--prompts-file", str(prompts),
@@ -130,7 +131,7 @@ def test_ctrl_c_during_generate_leaves_no_ray_processes(ckpt, short_tmp, tmp_pat
         assert lines and lines[-1].startswith("loaded "), "".join(lines)
         ray_procs = _descendants(p.pid) | _mentioning(short_tmp)
         assert len(ray_procs) >= 4, ray_procs  # gcs, raylet, 2 rank actors at least
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         rest = p.stdout.read()
         assert p.wait(timeout=60) == 130, rest
         assert "interrupted" in rest and "completion:" not in rest

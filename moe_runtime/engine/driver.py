@@ -152,7 +152,20 @@ class Engine:
 
     # -- set-up ---------------------------------------------------------------------------------
     def _start_ray(self, address: Optional[str], device: str, extra: dict) -> None:
+        import signal
+        import threading
         import ray
+        # ray.init installs a C-level SIGTERM handler that aborts the process; keep the host
+        # program's own handler (the CLI turns SIGTERM into a clean shutdown).
+        main_thread = threading.current_thread() is threading.main_thread()
+        saved_term = signal.getsignal(signal.SIGTERM) if main_thread else None
+        try:
+            self._init_ray(ray, address, device, extra)
+        finally:
+            if saved_term is not None:
+                signal.signal(signal.SIGTERM, saved_term)
+
+    def _init_ray(self, ray, address: Optional[str], device: str, extra: dict) -> None:
         if address is not None:
             if not ray.is_initialized():
                 ray.init(address=address, **extra)
