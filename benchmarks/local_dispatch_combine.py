@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass import Int32
 
-from moe_runtime.kernels import cute_ops, reference
+from moe_runtime.kernels import cute_compile, cute_ops, dispatch_slots, reference
 
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 8), "deepseek-v3": (7168, 256, 8), "mixtral": (4096, 8, 2)}
 TOKENS = (1, 8, 64, 128, 512, 4096, 16384)
@@ -176,6 +176,33 @@ def sweep(name, H, E, k):
     return pts, cross
 
 
+def tune(name, H, E, k):
+    """Launch shapes (warps, V) of the prefill copy kernel and of combine at large T: µs and
+    fraction of copy bandwidth per variant (the copy launch alone, after a slots launch)."""
+    out = []
+    for T in (4096, 16384):
+        x, ids, w = problem(T, H, E, k)
+        rank = torch.empty_like(ids)
+        offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
+        cute_compile.dispatch_slots_fn(E, k)(ids, rank, offsets, ws, 0, 1, 264)
+        ex = torch.empty(T * k, H, dtype=x.dtype, device="cuda")
+        slot = torch.empty_like(ids)
+        y = torch.empty_like(x)
+        for warps in (4, 8):
+            for v in (2, 4, 8):
+                fn = cute_compile.dispatch_copy_fn("bfloat16", H, E, k, warps=warps, v=v)
+                us = graph_us(lambda: fn(x, ids, rank, offsets, ex, slot, 0))
+                out.append(dict(shape=name, T=T, op="dispatch_copy", warps=warps, v=v, us=us,
+                                bytes=dispatch_bytes(T, H, k)))
+            for v in (1, 2, 4):
+                fn = cute_compile.combine_fn("bfloat16", H, k, warps, v)
+                us = graph_us(lambda: fn(ex, slot, w, y))
+                out.append(dict(shape=name, T=T, op="combine", warps=warps, v=v, us=us,
+                                bytes=combine_bytes(T, H, k)))
+    return out
+
+
 def best_threshold(sweeps: dict, op: str) -> int:
     """The decode-if-moved<=threshold rule with the least total slowdown over every sweep point
     of every shape (sum of chosen time / best time), candidates = the measured sizes."""
@@ -195,6 +222,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/local_dispatch_combine.json")
     ap.add_argument("--no-sweep", action="store_true", help="skip the decode/prefill sweep")
+    ap.add_argument("--tune", action="store_true", help="also time other launch shapes")
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.cuda.get_device_properties(0)
@@ -204,12 +232,14 @@ def main():
     print(f"{dev.name} ({dev.multi_processor_count} SMs): copy bandwidth (best) {bw / 1e12:.2f} TB/s "
           f"[{', '.join(f'{k} {v / 1e12:.2f}' for k, v in copies.items() if k != 'best')}], "
           f"graph-replayed empty CuTeDSL kernel {empty:.2f} us")
-    rows, sweeps, cross = [], {}, {}
+    rows, sweeps, cross, tuned = [], {}, {}, []
     for name, (H, E, k) in SHAPES.items():
         for T in TOKENS:
             rows += measure(name, H, E, k, T, bw, empty)
         if not args.no_sweep:
             sweeps[name], cross[name] = sweep(name, H, E, k)
+        if args.tune:
+            tuned += tune(name, H, E, k)
     switch = {op: best_threshold(sweeps, op) for op in ("dispatch", "combine")} if cross else {}
     result = dict(device=dev.name, sms=dev.multi_processor_count, copy_tbps=bw / 1e12,
                   copy_variants_tbps={k: v / 1e12 for k, v in copies.items()},
@@ -218,7 +248,7 @@ def main():
                       measured_bytes=switch,
                       in_code=dict(dispatch=cute_ops.DISPATCH_DECODE_MAX_BYTES,
                                    combine=cute_ops.COMBINE_DECODE_MAX_BYTES)),
-                  seconds=time.time() - t0)
+                  tune=tuned, seconds=time.time() - t0)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -235,6 +265,11 @@ def main():
         print(f"{r['shape']:14s} {r['T']:6d} {r['op']:8s} {r['mode']:7s} {r['us']:9.2f} "
               f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {r['ref_us']:9.1f} {r['speedup']:7.1f} "
               f"{r['target']:>15s} {met}")
+    if tuned:
+        print("launch shapes at large T (fraction of copy bandwidth):")
+        for r in tuned:
+            print(f"  {r['shape']:14s} T={r['T']:5d} {r['op']:13s} warps={r['warps']} V={r['v']} "
+                  f"{r['us']:8.2f} us {r['bytes'] / (r['us'] * 1e-6) / bw:5.2f}")
     print(f"wrote {out} ({time.time() - t0:.0f} s)")
 
 

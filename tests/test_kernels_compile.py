@@ -101,7 +101,9 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
     from moe_runtime.kernels import cute_compile as cc
 
     getters = {"dispatch_decode": cc.dispatch_decode_fn, "dispatch_slots": cc.dispatch_slots_fn,
-               "dispatch_copy": cc.dispatch_copy_fn, "combine": cc.combine_fn,
+               "dispatch_copy": cc.dispatch_copy_fn,
+               "combine": lambda d, h, k, mode, arch: cc.combine_fn(d, h, k, *cc.combine_shape(mode, k),
+                                                                    arch=arch),
                "route": cc.route_fn, "barrier_probe": cc.barrier_probe_fn}
     results = []
     for kind, args in specs_for(arch, dtype):

@@ -11,7 +11,9 @@ Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row se
     dispatch decode   one cooperative launch, DISPATCH_DECODE_WARPS, V = DISPATCH_DECODE_V
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
-    combine           COMBINE_WARPS[mode], V = combine_v(mode, K)
+    combine           combine_shape(mode, K)
+The copy and combine getters also take (warps, v) so benchmarks/local_dispatch_combine.py
+--tune can time other launch shapes; the constants here are what it measured best on an H200.
 """
 from __future__ import annotations
 
@@ -44,10 +46,10 @@ COMBINE_WARPS = {"decode": 4, "prefill": 8}
 KERNEL_MODULES = (_gb, _combine, _dcopy, _ddec, _dslots, _route)
 
 
-def combine_v(mode: str, top_k: int) -> int:
-    """Vectors per lane per segment: decode 1 (spread few tokens wide), prefill keeps
+def combine_shape(mode: str, top_k: int) -> tuple[int, int]:
+    """(warps per block, V) of combine: decode V = 1 (spreads few tokens wide), prefill keeps
     top_k * V <= 16 loads of 16 bytes in flight per lane."""
-    return 1 if mode == "decode" else max(1, 16 // top_k)
+    return COMBINE_WARPS[mode], 1 if mode == "decode" else max(1, 16 // top_k)
 
 
 def _options(arch: str | None) -> str:
@@ -104,22 +106,23 @@ def dispatch_slots_fn(E: int, K: int, arch: str | None = None):
 
 
 @functools.lru_cache(maxsize=None)
-def dispatch_copy_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None):
+def dispatch_copy_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None,
+                     warps: int = DISPATCH_COPY_WARPS, v: int = DISPATCH_COPY_V):
     """fn(x, ids, rank, offsets, out, slot, expert_start)."""
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _dcopy.dispatch_copy, _rows(dt, H, T), _rows(Int32, K, T), _rows(Int32, K, T),
         _vec(Int32, E + 1), _rows(dt, H), _rows(Int32, K, T), Int32(0), _stream(),
-        H, E, K, DISPATCH_COPY_WARPS, DISPATCH_COPY_V, options=_options(arch))
+        H, E, K, warps, v, options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)
-def combine_fn(dtype: str, H: int, K: int, mode: str, arch: str | None = None):
-    """fn(expert_y [N,H], slot [T,K], weights [T,K], out [T,H])."""
+def combine_fn(dtype: str, H: int, K: int, warps: int, v: int, arch: str | None = None):
+    """fn(expert_y [N,H], slot [T,K], weights [T,K], out [T,H]); (warps, v) = combine_shape()."""
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _combine.combine, _rows(dt, H), _rows(Int32, K, T), _rows(Float32, K, T), _rows(dt, H, T),
-        _stream(), H, K, COMBINE_WARPS[mode], combine_v(mode, K), options=_options(arch))
+        _stream(), H, K, warps, v, options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,10 +41,13 @@ __all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode"
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
-# Mode switch points in bytes of expert rows moved (T * k * hidden * element_size), measured on
-# an H200 by benchmarks/local_dispatch_combine.py (its JSON records the sweep).
-DISPATCH_DECODE_MAX_BYTES = 4 << 20
-COMBINE_DECODE_MAX_BYTES = 4 << 20
+# Mode switch points in bytes of expert rows moved (T * k * hidden * element_size): the single
+# threshold with the least total slowdown over the decode-vs-prefill sweep of
+# benchmarks/local_dispatch_combine.py on an H200 (Qwen3-30B-A3B, DeepSeek-V3, Mixtral shapes,
+# T = 1..4096). Dispatch: per-shape crossings 16 MiB (Qwen3, Mixtral) .. 28 MiB (DeepSeek-V3).
+# Combine: the decode shape was as fast or faster at every swept size (up to 448 MiB).
+DISPATCH_DECODE_MAX_BYTES = 28 << 20
+COMBINE_DECODE_MAX_BYTES = 448 << 20
 
 # Grid-barrier spin bounds of the decode dispatch: polls and nanoseconds (either ends the wait).
 BARRIER_MAX_POLLS = 1 << 22
@@ -326,8 +329,8 @@ def combine_in_mode(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weigh
         return torch.zeros(T, H, dtype=expert_y.dtype, device=expert_y.device)
     y = torch.empty(T, H, dtype=expert_y.dtype, device=expert_y.device)
     if T:
-        cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, mode)(expert_y, token_slot,
-                                                                 topk_weights, y)
+        fn = cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, *cc.combine_shape(mode, k))
+        fn(expert_y, token_slot, topk_weights, y)
     return y
 
 
