@@ -109,7 +109,7 @@ def bench_world(W, tokens, a, rows):
                              bytes=nbytes, gbps=nbytes / g / 1e3))
             print(f"  W={W} T={T} allreduce {algo:<7}  gpu {g:9.1f} us  host {hst:8.1f} us  "
                   f"{nbytes / 2**20:9.1f} MiB  {nbytes / g / 1e3:7.1f} GB/s", flush=True)
-        if T <= a.decode_max:  # tp decode: local combine fused with the one-shot
+        if T <= a.decode_max and not a.skip_fused:  # tp decode: local combine + one-shot
             xr, El = x[:T], E // W
             idr, wr = ids[:T], w[:T]
             eys, slots = [], []
@@ -171,6 +171,7 @@ def main(argv=None):
     ap.add_argument("--decode-max", type=int, default=128, help="also time decode mode up to this T")
     ap.add_argument("--timeout", type=float, default=10.0, help="device wait bound, s")
     ap.add_argument("--out", default="bench_out/multirank_virtual.json")
+    ap.add_argument("--skip-fused", action="store_true", help="leave out the tp fused op")
     ap.add_argument("--real", action="store_true", help="one rank per GPU under torchrun (multi-GPU)")
     a = ap.parse_args(argv)
     a.worlds = [int(v) for v in a.worlds.split(",")]

@@ -232,7 +232,10 @@ class PeerBuffers:
                  peer_heaps: Sequence[torch.Tensor], local_heaps: Sequence[torch.Tensor],
                  peer_addrs: Sequence[int], keepalive=(), group=None):
         self.group = group
-        self.spec, self.device, self.mode = spec, torch.device(device), mode
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # compare equal to tensors' devices
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.spec, self.device, self.mode = spec, device, mode
         self.rank0, self.n_local = rank0, len(local_heaps)
         self.layout = HeapLayout.of(spec)
         self.peer_heaps, self.local_heaps = list(peer_heaps), list(local_heaps)

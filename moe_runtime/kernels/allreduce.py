@@ -204,6 +204,8 @@ def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = Non
         if x.dim() != 3 or x.shape[0] != bufs.n_local or x.shape[2] != s.hidden or x.dtype != s.dtype:
             raise ValueError(f"x must be {s.dtype} [{bufs.n_local}, T, {s.hidden}], got "
                              f"{x.dtype} {tuple(x.shape)}")
+        if x.device != bufs.device:
+            raise ValueError(f"x must be on {bufs.device}, got {x.device}")
         T = x.shape[1]
     if T is None:
         raise ValueError("pass T when x is None")
@@ -246,6 +248,8 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
     if len(eys) != bufs.n_local or any(e.dtype != s.dtype or e.shape[-1] != s.hidden
                                        or not e.is_contiguous() for e in eys):
         raise ValueError(f"expert_y: {bufs.n_local} contiguous {s.dtype} [N, {s.hidden}] tensors")
+    if any(t.device != bufs.device for t in eys + [token_slot, topk_weights]):
+        raise ValueError(f"expert_y, token_slot and topk_weights must be on {bufs.device}")
     bufs.check_tokens([T] * bufs.n_local)
     out = _out(bufs, T, out)
     if T == 0:
