@@ -50,10 +50,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _any_active_anywhere(active: torch.Tensor, parallel) -> bool:
+def _any_active_anywhere(active: torch.Tensor, parallel, device: torch.device) -> bool:
     """Under dp_* with several ranks: whether any rank still has an active request (a SUM
-    all-reduce, so every rank takes the same number of steps)."""
-    flag = torch.tensor([int(bool(active.any()))], dtype=torch.int64)
+    all-reduce on `device`, since nccl reduces only CUDA tensors, so every rank takes the same
+    number of steps)."""
+    flag = torch.tensor([int(bool(active.any()))], dtype=torch.int64, device=device)
     if parallel.data_parallel and parallel.world_size > 1:
         from ..comm import all_reduce_sum
         all_reduce_sum(flag, group=parallel.group, step="decode: any request active",
@@ -61,15 +62,16 @@ def _any_active_anywhere(active: torch.Tensor, parallel) -> bool:
     return bool(flag.item())
 
 
-def _from_rank0(tokens: torch.Tensor, parallel) -> torch.Tensor:
-    """Under tp with several ranks: every rank takes rank 0's sampled tokens (SUM all-reduce of
-    rank 0's ids and zeros elsewhere), so replicated ranks never diverge."""
+def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.Tensor:
+    """Under tp with several ranks: every rank takes rank 0's sampled tokens (SUM all-reduce on
+    `device` of rank 0's ids and zeros elsewhere), so replicated ranks never diverge.
+    tokens: int64 [B] on the CPU; returns int64 [B] on the CPU."""
     if not parallel.tensor_parallel:
         return tokens
     from ..comm import all_reduce_sum
-    t = tokens.clone() if parallel.rank == 0 else torch.zeros_like(tokens)
+    t = tokens.to(device) if parallel.rank == 0 else torch.zeros_like(tokens, device=device)
     return all_reduce_sum(t, group=parallel.group, step="decode: tokens from rank 0",
-                          timeout_s=parallel.timeout_s)
+                          timeout_s=parallel.timeout_s).cpu()
 
 
 def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[int],
@@ -121,7 +123,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     lengths = lens.clone()
     zeros = torch.zeros(B, dtype=torch.int64, device=dev)
     for step in range(params.max_new_tokens):
-        tokens = _from_rank0(sample(logits, params, gens), model.parallel)
+        tokens = _from_rank0(sample(logits, params, gens), model.parallel, dev)
         for b in active.nonzero().flatten().tolist():
             t = int(tokens[b])
             out.token_ids[b].append(t)
@@ -129,7 +131,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
                 active[b], out.finish_reasons[b] = False, "stop"
             elif len(out.token_ids[b]) >= params.max_new_tokens:
                 active[b] = False
-        if not _any_active_anywhere(active, model.parallel):
+        if not _any_active_anywhere(active, model.parallel, dev):
             break
         if fail_at_step is not None and step == fail_at_step:
             raise RuntimeError(f"injected fault at decode step {step}")
