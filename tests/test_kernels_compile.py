@@ -102,7 +102,7 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
 
     getters = {"dispatch_decode": cc.dispatch_decode_fn, "dispatch_slots": cc.dispatch_slots_fn,
                "dispatch_copy": cc.dispatch_copy_fn,
-               "combine": lambda d, h, k, mode, arch: cc.combine_fn(d, h, k, *cc.combine_shape(mode, k),
+               "combine": lambda d, h, k, mode, arch: cc.combine_fn(d, h, k, *cc.combine_shape(mode),
                                                                     arch=arch),
                "route": cc.route_fn, "barrier_probe": cc.barrier_probe_fn}
     results = []

@@ -329,7 +329,7 @@ def combine_in_mode(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weigh
         return torch.zeros(T, H, dtype=expert_y.dtype, device=expert_y.device)
     y = torch.empty(T, H, dtype=expert_y.dtype, device=expert_y.device)
     if T:
-        fn = cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, *cc.combine_shape(mode, k))
+        fn = cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, *cc.combine_shape(mode))
         fn(expert_y, token_slot, topk_weights, y)
     return y
 
