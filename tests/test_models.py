@@ -229,3 +229,28 @@ def test_assign_requests_balances_prompt_tokens():
     assert assign_requests([5, 1, 1], 2, data_parallel=False) == [[0, 1, 2], [0, 1, 2]]
     assert assign_requests([5, 1, 1, 4], 2, data_parallel=True) == [[0, 2], [1, 3]]  # loads 6, 5
     assert assign_requests([3], 4, data_parallel=True) == [[0], [], [], []]
+
+
+def test_qwen3_dense_layer_bias_tied_embeddings_sliding_window_equal_hf(tmp_path):
+    """The less common config branches in one checkpoint: a dense MLP layer (mlp_only_layers),
+    attention biases, tied embeddings (no lm_head tensor) and a 4-token sliding window."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moe_runtime.models.make_checkpoint import train_tokenizer
+    tok = train_tokenizer()
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                         moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         mlp_only_layers=[1], attention_bias=True, tie_word_embeddings=True,
+                         use_sliding_window=True, sliding_window=4, max_position_embeddings=128,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    d = str(tmp_path / "q")
+    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.layers.0.self_attn.q_proj.bias" in f.keys()
+    model = load_model(d, progress=False)
+    assert model.spec.dense_layers == (1,) and model.lm_head is None and model.spec.sliding_window == 4
+    out = run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(max_new_tokens=8), stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS, 8)
