@@ -136,6 +136,7 @@ class Engine:
         self.topology: Optional[str] = None
         self.topology_reason = ""
         self.rank_info: list[dict] = []
+        self.device: Optional[str] = None  # "cuda" or "cpu" once Ray is up
         self._started_ray = False
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -183,7 +184,8 @@ class Engine:
         gpus = ray.cluster_resources().get("GPU", 0)
         if device == "cuda" and gpus < self.world_size:
             raise ValueError(f"device 'cuda' needs {self.world_size} GPUs, the cluster has {gpus:g}")
-        self.device = "cuda" if device == "cuda" or (device == "auto" and gpus >= self.world_size) else "cpu"
+        use_gpu = device == "cuda" or (device == "auto" and gpus >= self.world_size)
+        self.device = "cuda" if use_gpu else "cpu"
 
     def _start_workers(self) -> None:
         import ray
