@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=16, num_gpus=0, include_dashboard=False, object_store_memory=100 * 1024 ** 2,
+    ray.init(num_cpus=16, num_gpus=torch.cuda.device_count(), include_dashboard=False, object_store_memory=100 * 1024 ** 2,
              logging_level=logging.WARNING)
     yield
     ray.shutdown()
@@ -218,3 +218,14 @@ def test_auto_topology_asks_the_selector(ray_session, ckpt, reference, attention
     with Engine(ckpt, world_size=2, topology="auto", attention=attention, progress=False) as eng:
         assert eng.topology == want and "CPU" in eng.topology_reason
         assert ids_of(eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=NEW))) == reference[:2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size,topology", [(1, "local"), (2, "tp"), (2, "dp_nvlink")])
+def test_cuda_ranks_greedy_ids_equal_hf_generate(ray_session, ckpt, reference, world_size, topology):
+    """GPU ranks (nccl between them) give HF's greedy ids on the fp32 tiny checkpoint."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
+    with Engine(ckpt, world_size=world_size, topology=topology, device="cuda", progress=False) as eng:
+        assert eng.device == "cuda"
+        assert ids_of(eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))) == reference
