@@ -207,7 +207,7 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"unknown shapes {sorted(unknown)}; known: {sorted(SHAPES)}")
     import transformers
-    bw, flops = copy_bandwidth(), matmul_flops()
+    bw, flops = copy_bandwidth()["best"], matmul_flops()  # best D2D copy, read + write counted
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "cuda": torch.version.cuda, "transformers": transformers.__version__,
                "copy_bandwidth_TBps": bw / 1e12, "bf16_matmul_TFLOPs": flops / 1e12}
