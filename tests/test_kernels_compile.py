@@ -166,6 +166,36 @@ def _all_ids(key: str, tasks) -> set:
     return {_cache_id(key, a, k, g) for a, d in tasks for k, g in specs_for(a, d)}
 
 
+ORDERED_PTX = [r"ld\.acquire\.gpu\.global\.b32", r"ld\.acquire\.sys\.global\.b32",
+               r"ld\.relaxed\.gpu\.global\.b32", r"ld\.relaxed\.sys\.global\.b32",
+               r"st\.release\.gpu\.global\.b32", r"st\.release\.sys\.global\.b32",
+               r"st\.relaxed\.gpu\.global\.b32", r"st\.relaxed\.sys\.global\.b32",
+               r"atom\.global\.release(\.gpu)?\.add\.u32", r"atom\.global\.sys\.release\.add\.u32",
+               r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"atom\.global\.sys\.acq_rel\.add\.u32",
+               r"fence\.acq_rel\.gpu", r"fence\.acq_rel\.sys"]
+
+
+def _ordered_probe_ptx(arch: str) -> str:
+    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="moe_ptx_")
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass import Int32
+
+    import tests._ordered_probe as probe
+    flags = make_fake_compact_tensor(Int32, (8,), assumed_align=16)
+    return cute.compile(probe.ordered_probe, flags, options=f"--gpu-arch {arch}").artifacts.PTX
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sync_primitives_emit_ordered_ptx(arch):
+    """Every moe_runtime.sync.ordered helper, at .gpu and .sys scope, emits its PTX."""
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        ptx = pool.submit(_ordered_probe_ptx, arch).result()
+    missing = [p for p in ORDERED_PTX if not re.search(p, ptx)]
+    assert not missing, f"{arch}: PTX lacks {missing}"
+
+
 def test_spec_grid_covers_the_issue_grid():
     """The compile grid really is dtypes x hidden x (E, k) x modes (so the test above can fail
     only by a kernel, not by a shrunken grid)."""

@@ -13,7 +13,9 @@ Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row se
                       V = DISPATCH_COPY_V)
     combine           combine_shape(mode)
 The copy and combine getters also take (warps, v) so benchmarks/local_dispatch_combine.py
---tune can time other launch shapes; the constants here are what it measured best on an H200.
+--tune can time other launch shapes. On the H200 the prefill copy was within 2% for every
+(4 | 8 warps) x (V 2 | 4 | 8) (it runs at the HBM write rate: it writes k bytes per byte
+read); combine was best with V = 1.
 """
 from __future__ import annotations
 

@@ -44,9 +44,10 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 # Mode switch points in bytes of expert rows moved (T * k * hidden * element_size): the single
 # threshold with the least total slowdown over the decode-vs-prefill sweep of
 # benchmarks/local_dispatch_combine.py on an H200 (Qwen3-30B-A3B, DeepSeek-V3, Mixtral shapes,
-# T = 1..4096). Dispatch: per-shape crossings 16 MiB (Qwen3, Mixtral) .. 28 MiB (DeepSeek-V3).
-# Combine: the decode shape was as fast or faster at every swept size (up to 448 MiB).
-DISPATCH_DECODE_MAX_BYTES = 28 << 20
+# T = 1..4096). Dispatch: per-shape crossings 8 MiB (Qwen3, Mixtral) .. 28 MiB (DeepSeek-V3);
+# the fit gave 14 MiB and 28 MiB in two runs (decode and prefill are within a few % between).
+# Combine: both shapes use V = 1 and measured equal at large sizes, decode faster below.
+DISPATCH_DECODE_MAX_BYTES = 14 << 20
 COMBINE_DECODE_MAX_BYTES = 448 << 20
 
 # Grid-barrier spin bounds of the decode dispatch: polls and nanoseconds (either ends the wait).
@@ -122,7 +123,8 @@ def route(
         scoring: "softmax" or "sigmoid".
         norm_topk_prob: renormalize the k weights (sigmoid: by sum + 1e-20).
         correction_bias: optional fp32-convertible [E] added to sigmoid scores for the choice.
-        n_group, topk_group: group-limited selection (E % n_group == 0, topk_group <= n_group).
+        n_group, topk_group: group-limited selection for "sigmoid" (E % n_group == 0,
+            1 <= topk_group <= n_group); ignored for "softmax", as in the reference.
         routed_scaling_factor: multiplies the final weights.
 
     Returns:
@@ -140,11 +142,11 @@ def route(
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     sigmoid = scoring == "sigmoid"
+    if not sigmoid:
+        n_group = topk_group = 1
     if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(f"need E % n_group == 0 and 1 <= topk_group <= n_group, got E={E}, "
                          f"n_group={n_group}, topk_group={topk_group}")
-    if n_group > 1 and not sigmoid:
-        raise ValueError("group-limited routing (n_group > 1) is defined for scoring='sigmoid'")
     has_bias = sigmoid and correction_bias is not None
     dev = logits.device
     if has_bias:
@@ -153,7 +155,7 @@ def route(
                              f"{getattr(correction_bias, 'shape', type(correction_bias).__name__)}")
         bias = correction_bias.to(device=dev, dtype=torch.float32).contiguous()
     else:
-        bias = _zeros_f32(dev, E)
+        bias = _zeros_f32(dev.index, E)
     raise_pending()
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
@@ -169,12 +171,9 @@ def route(
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_f32_cached(index: int, n: int) -> torch.Tensor:
+def _zeros_f32(index: int, n: int) -> torch.Tensor:
+    """A constant fp32 zero vector (the bias argument of routers without a correction bias)."""
     return torch.zeros(n, dtype=torch.float32, device=torch.device("cuda", index))
-
-
-def _zeros_f32(dev: torch.device, n: int) -> torch.Tensor:
-    return _zeros_f32_cached(dev.index, n)
 
 
 # ------------------------------------------------------------------------------- dispatch
@@ -209,20 +208,27 @@ def dispatch(
         1 <= num_local_experts <= 1024, align >= 1, expert_start >= 0).
         moe_runtime.sync.DeviceSyncError: an earlier decode launch's grid barrier timed out.
     """
-    T, k = _dispatch_shape(x, topk_ids)
+    T, k = _check_dispatch(x, topk_ids, expert_start, num_local_experts, align)
     mode = select_dispatch_mode(T, k, x.shape[1], x.dtype, x.device)
-    return dispatch_in_mode(x, topk_ids, expert_start=expert_start,
-                            num_local_experts=num_local_experts, align=align, mode=mode)
+    return _dispatch(x, topk_ids, expert_start, num_local_experts, align, mode)
 
 
-def _dispatch_shape(x, topk_ids) -> tuple[int, int]:
+def _check_dispatch(x, topk_ids, expert_start, num_local_experts, align) -> tuple[int, int]:
     _check("x", x, tuple(_DTYPE_NAMES), 2)
     _check("topk_ids", topk_ids, (torch.int32,), 2, x.device)
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has {x.shape[0]}")
     _check_hidden("x", x)
     _check_top_k(topk_ids.shape[1])
-    return topk_ids.shape
+    if not 1 <= num_local_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got "
+                         f"{num_local_experts}")
+    if align < 1 or expert_start < 0:
+        raise ValueError(f"need align >= 1 and expert_start >= 0, got align={align}, "
+                         f"expert_start={expert_start}")
+    T, k = topk_ids.shape
+    _check_rows_fit("expert_x", dispatch_capacity(T, k, num_local_experts, align), x.shape[1])
+    return T, k
 
 
 def dispatch_in_mode(x: torch.Tensor, topk_ids: torch.Tensor, *, expert_start: int,
@@ -233,18 +239,17 @@ def dispatch_in_mode(x: torch.Tensor, topk_ids: torch.Tensor, *, expert_start: i
         ValueError: as `dispatch`, an unknown mode, or "decode" with more than
         SMs * threads-per-block (t, j) items (one co-resident grid).
     """
-    T, k = _dispatch_shape(x, topk_ids)
-    E = num_local_experts
-    if not 1 <= E <= MAX_EXPERTS:
-        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got {E}")
-    if align < 1 or expert_start < 0:
-        raise ValueError(f"need align >= 1 and expert_start >= 0, got align={align}, "
-                         f"expert_start={expert_start}")
+    _check_dispatch(x, topk_ids, expert_start, num_local_experts, align)
     if mode not in cc.MODES:
         raise ValueError(f"mode must be one of {cc.MODES}, got {mode!r}")
+    return _dispatch(x, topk_ids, expert_start, num_local_experts, align, mode)
+
+
+def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
+    """dispatch after validation."""
+    T, k = topk_ids.shape
     H = x.shape[1]
     rows = dispatch_capacity(T, k, E, align)
-    _check_rows_fit("expert_x", rows, H)
     dev = x.device
     raise_pending()
     expert_x = torch.empty(rows, H, dtype=x.dtype, device=dev)
@@ -298,12 +303,12 @@ def combine(expert_y: torch.Tensor, token_slot: torch.Tensor,
     Raises:
         TypeError / ValueError: invalid inputs.
     """
-    T, k = _combine_shape(expert_y, token_slot, topk_weights)
-    mode = select_combine_mode(T, k, expert_y.shape[1], expert_y.dtype)
-    return combine_in_mode(expert_y, token_slot, topk_weights, mode=mode)
+    T, k = _check_combine(expert_y, token_slot, topk_weights)
+    return _combine(expert_y, token_slot, topk_weights,
+                    select_combine_mode(T, k, expert_y.shape[1], expert_y.dtype))
 
 
-def _combine_shape(expert_y, token_slot, topk_weights) -> tuple[int, int]:
+def _check_combine(expert_y, token_slot, topk_weights) -> tuple[int, int]:
     _check("expert_y", expert_y, tuple(_DTYPE_NAMES), 2)
     _check("token_slot", token_slot, (torch.int32,), 2, expert_y.device)
     _check("topk_weights", topk_weights, (torch.float32,), 2, expert_y.device)
@@ -313,17 +318,23 @@ def _combine_shape(expert_y, token_slot, topk_weights) -> tuple[int, int]:
     _check_hidden("expert_y", expert_y)
     _check_top_k(token_slot.shape[1])
     _check_rows_fit("expert_y", expert_y.shape[0], expert_y.shape[1])
+    _check_rows_fit("y", token_slot.shape[0], expert_y.shape[1])
     return token_slot.shape
 
 
 def combine_in_mode(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weights: torch.Tensor,
                     *, mode: str) -> torch.Tensor:
     """`combine` with the grid shape forced ("decode" or "prefill"); for tests and benchmarks."""
-    T, k = _combine_shape(expert_y, token_slot, topk_weights)
+    _check_combine(expert_y, token_slot, topk_weights)
     if mode not in cc.MODES:
         raise ValueError(f"mode must be one of {cc.MODES}, got {mode!r}")
+    return _combine(expert_y, token_slot, topk_weights, mode)
+
+
+def _combine(expert_y, token_slot, topk_weights, mode: str) -> torch.Tensor:
+    """combine after validation."""
+    T, k = token_slot.shape
     H = expert_y.shape[1]
-    _check_rows_fit("y", T, H)
     raise_pending()
     if T and expert_y.shape[0] == 0:  # every pick must be -1: nothing to gather
         return torch.zeros(T, H, dtype=expert_y.dtype, device=expert_y.device)

@@ -11,8 +11,8 @@ items [b * ipb, (b + 1) * ipb) of the flattened [T, K] ids, ipb <= WARPS * 32.
   grid barrier (sync/grid_barrier.py): all counts are final.
   phase 2 (offsets + copy): every block scans the padded global counts itself (E values),
       slot = offset[e] + base[e] + rank; block 0 writes expert_offsets; then the block's warps
-      copy its items' rows in 128-bit segments (each warp's first segment was loaded before
-      the barrier, so at decode sizes the copy costs one store latency after it).
+      copy its items' rows in 128-bit segments (each warp's first segment is loaded before
+      the barrier, so that load's latency overlaps the wait).
 Counters are double-buffered by the barrier's parity bit: this launch adds into
 counts[phase] and clears counts[1 - phase] for the next launch, so nothing is memset.
 Workspace int32 [workspace_words(E)]: [0] barrier word, [4 : 4 + 2E] counts[2][E].
