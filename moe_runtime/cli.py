@@ -158,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_generate(path, list(DEMO_PROMPTS), args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+    except (ValueError, OSError, RuntimeError, TimeoutError) as e:
         print(f"moe-runtime: error: {e}", file=sys.stderr)
         return 1
 

@@ -194,3 +194,8 @@ def test_ray_job_submit_runs_the_deploy_entry(ckpt, short_tmp):
     finally:
         left = _stop_head(short_tmp)
     assert left == set()
+
+
+def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+    assert cli_main(["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"]) == 1
+    assert "no config.json" in capsys.readouterr().err

@@ -111,9 +111,10 @@ class Engine:
         ray_init_kwargs: extra ray.init arguments for the embedded start.
 
     Raises:
+        FileNotFoundError: model_dir has no config.json.
         RankError: a rank failed while starting or loading (all actors are gone afterwards).
         TimeoutError: the cluster could not place world_size ranks within timeout_s.
-        ValueError: bad arguments.
+        ValueError: bad arguments, unsupported model_type or dtype.
     """
 
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
@@ -139,6 +140,9 @@ class Engine:
         self.device: Optional[str] = None  # "cuda" or "cpu" once Ray is up
         self._started_ray = False
         from transformers import AutoTokenizer
+
+        from ..models import read_spec
+        self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         try:
             self._start_ray(ray_address, device, ray_init_kwargs or {})
@@ -311,7 +315,7 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt must have at least one token")
-        limit = self._max_positions()
+        limit = self.spec.max_position_embeddings
         longest = max((len(p) for p in prompt_ids), default=0)
         if longest + params.max_new_tokens > limit:
             raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) "
@@ -339,12 +343,6 @@ class Engine:
             prefill_tokens=sum(o.prefill_tokens for o in counted),
             prefill_s=max(o.prefill_s for o in outs), decode_tokens=sum(o.decode_tokens for o in counted),
             decode_s=max(o.decode_s for o in outs), per_rank=outs)
-
-    def _max_positions(self) -> int:
-        from ..models import read_spec
-        if not hasattr(self, "_max_pos"):
-            self._max_pos = read_spec(self.model_dir)[0].max_position_embeddings
-        return self._max_pos
 
     # -- shutdown -------------------------------------------------------------------------------
     def _kill_workers(self) -> None:
