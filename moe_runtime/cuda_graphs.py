@@ -15,9 +15,13 @@ and bf16 on sm_90/sm_100; see `MoELayer.host_sync_free`):
 
 All buckets share one memory pool (intermediates of one bucket's graph reuse another's; capture
 all at once with `capture()` to capture from the largest bucket down, which is what lets them
-share). Graphs are dropped and recaptured when the `fingerprint` callable (by default the data
-pointers of the module's parameters and buffers) changes, e.g. after a weight swap, or after
-`invalidate()`.
+share). Because of that sharing, a replay may overwrite the static output of ANOTHER bucket's
+graph: by default each call copies its rows out (`copy_output=True`); with copy_output=False the
+returned view is valid only until the next call. Calls must be ordered on one stream (the input
+copy, the replay and the output copy are enqueued on the caller's current stream), as for any
+CUDA graph with static buffers. Graphs are dropped and recaptured when the `fingerprint` callable
+(by default the data pointers of the module's parameters and buffers) changes, e.g. after a
+weight swap, or after `invalidate()`.
 """
 from __future__ import annotations
 
@@ -104,7 +108,7 @@ class BucketedGraphs:
         fingerprint: callable returning a hashable key of the state the graphs depend on; a
             change drops every graph before the next call (None = never checked).
         copy_output: return a fresh tensor (True) or a view of the graph's static output, which
-            the next replay of the same bucket overwrites (False; saves one copy kernel).
+            the next call may overwrite (False; saves one copy kernel).
         capture_fn: how to capture (default `cuda_graph_capture` into one shared pool; tests
             pass a stand-in to check the bookkeeping without a GPU).
 

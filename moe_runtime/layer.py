@@ -118,8 +118,8 @@ class MoELayer(nn.Module):
         Args:
             buckets: token counts to capture (default 1, 2, 4, ..., 256).
             capture: capture every bucket now (largest first); otherwise on first use.
-            copy_output: return fresh tensors (True) or views of the graph's output, valid until
-                the same bucket replays again (False).
+            copy_output: return fresh tensors (True) or views of the graphs' outputs, valid until
+                the next call of this layer (False).
             capture_fn: a stand-in for the CUDA-graph capture (tests on CPU); needs no GPU.
 
         Returns:
