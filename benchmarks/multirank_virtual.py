@@ -86,9 +86,11 @@ def bench_world(W, tokens, a, rows):
             disp = lambda: ep_dispatch(b, x, ids, toks, mode=mode, timeout_s=a.timeout,  # noqa: E731
                                        check=False)
 
+            y = torch.empty_like(x)
+
             def pair():
                 hh = disp()
-                ep_combine(b, hh, hh.expert_x, w, timeout_s=a.timeout, check=False)
+                ep_combine(b, hh, hh.expert_x, w, out=y, timeout_s=a.timeout, check=False)
             moved = W * T * K * row_bytes
             for name, fn, nbytes in (("dispatch", disp, moved), ("dispatch+combine", pair, 2 * moved)):
                 g, hst = gpu_us(fn, n), host_us(fn, n)
@@ -100,7 +102,9 @@ def bench_world(W, tokens, a, rows):
         for algo in ("oneshot", "twoshot"):
             for i in range(W):
                 ar_input(b, T, i).normal_(generator=gen)
-            fn = lambda: all_reduce(b, None, T, algo=algo, timeout_s=a.timeout, check=False)  # noqa: E731
+            out = torch.empty(W, T, H, device=dev, dtype=torch.bfloat16)
+            fn = lambda: all_reduce(b, None, T, algo=algo, out=out, timeout_s=a.timeout,  # noqa: E731
+                                    check=False)
             all_reduce(b, None, T, algo=algo, timeout_s=a.timeout)
             g, hst = gpu_us(fn, n), host_us(fn, n)
             b.check_errors(f"{algo} W={W} T={T}")
@@ -118,8 +122,9 @@ def bench_world(W, tokens, a, rows):
                 eys.append(ex)
                 slots.append(slot)
             slots = torch.stack(slots)
-            fn = lambda: tp_combine_all_reduce(b, eys, slots, wr, timeout_s=a.timeout,  # noqa: E731
-                                               check=False)
+            out = torch.empty(W, T, H, device=dev, dtype=torch.bfloat16)
+            fn = lambda: tp_combine_all_reduce(b, eys, slots, wr, out=out,  # noqa: E731
+                                               timeout_s=a.timeout, check=False)
             tp_combine_all_reduce(b, eys, slots, wr, timeout_s=a.timeout)
             g, hst = gpu_us(fn, n), host_us(fn, n)
             b.check_errors(f"tp fused W={W} T={T}")

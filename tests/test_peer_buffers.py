@@ -28,7 +28,7 @@ def test_layout_fields_disjoint_aligned_and_table_addresses():
     lay = b.layout
     for peer in (True, False):
         spans = sorted((lay.offsets[f], lay.offsets[f] + b.view(f).numel() * b.view(f).element_size())
-                       for f in range(pb.NUM_FIELDS) if (f in pb.PEER_FIELDS) == peer)
+                       for f in range(pb.NUM_HEAP_FIELDS) if (f in pb.PEER_FIELDS) == peer)
         assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:])), "fields overlap"
         assert all(s % pb.HEAP_ALIGN == 0 for s, _ in spans)
     assert b.table.shape == (pb.NUM_FIELDS, 4) and b.table.dtype == torch.int64
@@ -105,7 +105,9 @@ def recorded(monkeypatch):
 
 
 def test_host_paths_pass_the_compiled_signatures(recorded):
-    from moe_runtime.kernels.allreduce import all_reduce
+    """The kernels take the table and scalars only; every per-call array reaches them through
+    the table's F_ARG_* rows, which must hold each local rank's row addresses."""
+    from moe_runtime.kernels.allreduce import all_reduce, tp_combine_all_reduce
     from moe_runtime.kernels.ep_combine import ep_combine
     from moe_runtime.kernels.ep_dispatch import PREFILL_PHASES, ep_dispatch
     b = bufs()
@@ -115,24 +117,36 @@ def test_host_paths_pass_the_compiled_signatures(recorded):
     h = ep_dispatch(b, x, ids, tokens, mode="prefill")
     assert [c[1][0] for c in recorded] == list(PREFILL_PHASES)
     _, key, args = recorded[-1]
-    table, xx, ii, tok, epoch, S, rank0, skip, ns, spins = args
-    assert table is b.table and xx.shape == (20, 256) and ii.dtype == torch.int32
-    assert tok.tolist() == [0, 3, 3, 19, 20] and tok.dtype == torch.int32
-    assert (epoch, S, rank0, skip) == (1, b.spec.stage_rows, 0, -1) and ns == 10**10
+    assert args[0] is b.table and args[1:5] == (1, b.spec.stage_rows, 0, -1) and args[5] == 10**10
     assert key[-1] == "bfloat16" and key[6] == 4 * 132 // 4  # cpr for split launches
+    tab = b.table
+    starts = [0, 3, 3, 19]
+    assert tab[pb.F_ARG_T].tolist() == tokens
+    assert tab[pb.F_ARG_X].tolist() == [x.data_ptr() + s0 * 256 * 2 for s0 in starts]
+    assert tab[pb.F_ARG_IDS].tolist() == [ids.data_ptr() + s0 * 4 * 4 for s0 in starts]
     w = torch.rand(20, 4)
     y = ep_combine(b, h, h.expert_x, w)
     assert y.shape == (20, 256) and recorded[-1][0] == "combine"
-    ey_tab = recorded[-1][2][1]
-    assert ey_tab.tolist() == [e.data_ptr() for e in h.expert_x]
+    assert tab[pb.F_ARG_EY].tolist() == [e.data_ptr() for e in h.expert_x]
+    assert tab[pb.F_ARG_W].tolist() == [w.data_ptr() + s0 * 4 * 4 for s0 in starts]
+    assert tab[pb.F_ARG_Y].tolist() == [y.data_ptr() + s0 * 256 * 2 for s0 in starts]
     ep_dispatch(b, x, ids, tokens, mode="decode")
     with pytest.raises(ValueError, match="stale"):
         ep_combine(b, h, h.expert_x, w)
+    n = len(recorded)
     with pytest.raises(ValueError, match="max_tokens_per_rank=16"):
-        n = len(recorded)
         ep_dispatch(b, torch.zeros(20, 256, dtype=torch.bfloat16),
                     torch.zeros(20, 4, dtype=torch.int32), [17, 1, 1, 1])
     assert len(recorded) == n, "launched despite the token limit"
     out = all_reduce(b, torch.randn(4, 5, 256, dtype=torch.bfloat16), algo="twoshot")
     assert out.shape == (4, 5, 256) and recorded[-1][0] == "allreduce"
-    assert recorded[-1][1][0] == 2 and recorded[-1][2][6] == 1  # TWOSHOT, first barrier epoch
+    assert recorded[-1][1][0] == 2 and recorded[-1][2][1:3] == (5, 1)  # TWOSHOT, T, 1st epoch
+    assert tab[pb.F_ARG_Y].tolist() == [o.data_ptr() for o in out]
+    eys = [torch.zeros(8, 256, dtype=torch.bfloat16) for _ in range(4)]
+    slot = torch.full((4, 2, 4), -1, dtype=torch.int32)
+    w2 = torch.rand(2, 4)
+    tp_combine_all_reduce(b, eys, slot, w2)
+    assert recorded[-1][1][0] == 3
+    assert tab[pb.F_ARG_SLOT].tolist() == [t.data_ptr() for t in slot]
+    assert tab[pb.F_ARG_W].tolist() == [w2.data_ptr()] * 4
+    assert torch.equal(b.table, b._host_table)

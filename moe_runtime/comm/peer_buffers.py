@@ -62,7 +62,16 @@ F_XOUT = 17         # [XCAP, H] x.dtype        expert_x: rows in expert-major or
 F_OFFS = 18         # [E_local + 1] int32      expert_offsets
 F_BAR = 19          # [4] int32                rank-local grid barrier word (+ spare)
 F_ERR = 20          # [4] int32                [phase, peer, expected, seen] of the first timeout
-NUM_FIELDS = 21
+NUM_HEAP_FIELDS = 21
+# ---- argument rows: per-call values, not heap fields (table[f, r] for each local rank r) ----
+F_ARG_X = 21        # address of rank r's token rows x [T_r, H]
+F_ARG_IDS = 22      # address of rank r's topk_ids int32 [T_r, k]
+F_ARG_T = 23        # T_r itself (a count, not an address)
+F_ARG_W = 24        # address of rank r's topk_weights fp32 [T_r, k]
+F_ARG_Y = 25        # address of rank r's output rows [T_r, H]
+F_ARG_EY = 26       # address of rank r's expert_y [>= rows, H]
+F_ARG_SLOT = 27     # address of rank r's token_slot int32 [T, k] (tp fused combine)
+NUM_FIELDS = 28
 
 FIELD_NAMES = ("recv_x", "recv_meta", "inbox_cnt", "inbox_flag", "chunk_flag", "ack", "ret_x",
                "ret_flag", "ar_in", "ar_mid", "sig", "cnt", "stage", "inv", "nsend", "pos",
@@ -182,7 +191,7 @@ class HeapLayout:
     def of(cls, spec: PeerSpec) -> "HeapLayout":
         shapes = spec.shapes()
         offsets, size = {}, {True: 0, False: 0}
-        for f in range(NUM_FIELDS):
+        for f in range(NUM_HEAP_FIELDS):
             shape, dt = shapes[f]
             peer = f in PEER_FIELDS
             offsets[f] = size[peer]
@@ -223,8 +232,9 @@ class PeerBuffers:
         spec: PeerSpec. layout: HeapLayout.
         mode: "virtual" | "symm_mem" | "ipc".
         rank0: first rank driven by this process; n_local: ranks driven (W virtual, 1 real).
-        table: int64 [NUM_FIELDS, W] on the device; table[f, r] = address of field f of rank r
-            (0 for local fields of ranks another process drives).
+        table: int64 [NUM_FIELDS, W] on the device; table[f, r] = address of heap field f of
+            rank r (0 for local fields of ranks another process drives), then the per-call
+            argument rows F_ARG_* (set_args).
         epoch: epoch of the last dispatch (0 = none yet); sig_epoch: last barrier epoch used.
     """
 
@@ -242,12 +252,13 @@ class PeerBuffers:
         self._keepalive = keepalive
         W = spec.world_size
         tab = torch.zeros(NUM_FIELDS, W, dtype=torch.int64)
-        for f in range(NUM_FIELDS):
+        for f in range(NUM_HEAP_FIELDS):
             for r in range(W):
                 if f in PEER_FIELDS:
                     tab[f, r] = peer_addrs[r] + self.layout.offsets[f]
                 elif rank0 <= r < rank0 + self.n_local:
                     tab[f, r] = self.local_heaps[r - rank0].data_ptr() + self.layout.offsets[f]
+        self._host_table = tab
         self.table = tab.to(self.device)
         self.epoch = 0
         self.sig_epoch = 0
@@ -379,6 +390,23 @@ class PeerBuffers:
         self.sig_epoch = 0
         self.broken = None
         self._last_dispatch = None
+
+    def set_args(self, values: dict[int, Sequence[int]]) -> None:
+        """Write per-call argument rows (F_ARG_*: one int64 per local rank) into the table.
+
+        The kernels take ONLY the table as a tensor argument and reach every per-call array
+        through these rows (the pattern the one-shot all-reduce proved on the H200). The
+        device table is rewritten (one small host-to-device copy on the current stream,
+        ordered after the kernels already queued there) only when a value changed, so
+        steady-state calls with the same buffers copy nothing."""
+        new = self._host_table.clone()
+        for f, vals in values.items():
+            if f < NUM_HEAP_FIELDS or len(vals) != self.n_local:
+                raise ValueError(f"set_args: field {f} needs {self.n_local} value(s)")
+            new[f, self.rank0:self.rank0 + self.n_local] = torch.tensor(list(vals), dtype=torch.int64)
+        if not torch.equal(new, self._host_table):
+            self._host_table = new
+            self.table.copy_(new)
 
     def cached(self, key, make):
         """Small device tensors (token offsets, address tables) kept per key, so repeated calls

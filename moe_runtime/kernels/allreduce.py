@@ -33,9 +33,8 @@ import cuda.bindings.driver as cuda
 from cutlass import Constexpr, Float32, Int32, Int64
 
 from ..comm import peer_buffers as pb
-from .ep_combine import addr_table
-from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, compile_tvm,
-                        cross_rank_barrier, ctas_per_rank, fake_rows, fake_stream, fake_vec,
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, compile_tvm,
+                        cross_rank_barrier, ctas_per_rank, fake_rows, fake_stream, i32_at,
                         vec_at, vec_elems, wait_bounds)
 
 ONESHOT, TWOSHOT, FUSED = 1, 2, 3
@@ -54,38 +53,41 @@ def sum_peers(ins: list, c: Int32, nv: Constexpr[int], dtype: Constexpr):
 
 
 @cute.kernel
-def allreduce_kernel(mTab: cute.Tensor, mOut: cute.Tensor, mEY: cute.Tensor, mSlot: cute.Tensor,
-                     mW: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
+def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
                      timeout_ns: Int64, max_spins: Int32, algo: Constexpr[int],
                      hidden: Constexpr[int], K: Constexpr[int], W: Constexpr[int],
                      cpr: Constexpr[int], dtype: Constexpr):
-    """Shapes: mTab int64 [NUM_FIELDS, W]; mOut [n_local * T, hidden]; fused only: mEY int64
-    [n_local] expert_y addresses, mSlot int32 [n_local * T, K], mW fp32 [T, K]."""
+    """mTab int64 [NUM_FIELDS, W] is the only tensor. Per rank r (F_ARG_* rows): output
+    [T, hidden] (F_ARG_Y); fused only: expert_y (F_ARG_EY), token_slot int32 [T, K]
+    (F_ARG_SLOT), topk_weights fp32 [T, K] (F_ARG_W)."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
     tidx, rl, lb, rank = block_rank(rank0, cpr)
     err = mTab[pb.F_ERR, rank]
     n = T * nv
     first, stride = lb * threads + tidx, cpr * threads
-    out = mOut.iterator.toint()
+    out = mTab[pb.F_ARG_Y, rank]
     ins = [mTab[pb.F_AR_IN, r] for r in range(W)]
     if rank != skip_rank:
         if cutlass.const_expr(algo == FUSED):  # local combine -> this rank's F_AR_IN
-            ey = mEY[rl]
+            ey = mTab[pb.F_ARG_EY, rank]
+            slots = i32_at(mTab[pb.F_ARG_SLOT, rank])
+            wts = cute.make_ptr(Float32, mTab[pb.F_ARG_W, rank], GMEM, assumed_align=4)
             for c in cutlass.range(first, n, stride):
                 t = c // nv
                 v = c - t * nv
                 acc = cute.full((vec_elems(dtype),), 0.0, Float32)
                 for j in cutlass.range_constexpr(K):
-                    slot = mSlot[rl * T + t, j]
+                    slot = cute.arch.load(slots + t * K + j, Int32)
                     if slot >= 0:
-                        acc = acc + vec_at(ey, slot, v, nv, dtype).load().to(Float32) * mW[t, j]
+                        acc = acc + (vec_at(ey, slot, v, nv, dtype).load().to(Float32)
+                                     * cute.arch.load(wts + t * K + j, Float32))
                 vec_at(mTab[pb.F_AR_IN, rank], 0, c, nv, dtype).store(acc.to(dtype))
         cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch, tidx, err, timeout_ns, max_spins,
                            Int32(7), W)
         if cutlass.const_expr(algo != TWOSHOT):
             for c in cutlass.range(first, n, stride):
-                vec_at(out, rl * T, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
+                vec_at(out, 0, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
         else:
             per = (n + (W - 1)) // W
             lo = rank * per
@@ -103,20 +105,19 @@ def allreduce_kernel(mTab: cute.Tensor, mOut: cute.Tensor, mEY: cute.Tensor, mSl
                 cnt = per if cnt > per else cnt
                 src = mTab[pb.F_AR_MID, s]
                 for q in cutlass.range(first, cnt, stride):
-                    vec_at(out, rl * T, slo + q, nv, dtype).store(
+                    vec_at(out, 0, slo + q, nv, dtype).store(
                         vec_at(src, 0, slo + q, nv, dtype).load())
         cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + (2 if algo == TWOSHOT else 1), tidx,
                            err, timeout_ns, max_spins, Int32(9), W)
 
 
 @cute.jit
-def allreduce_entry(mTab: cute.Tensor, mOut: cute.Tensor, mEY: cute.Tensor, mSlot: cute.Tensor,
-                    mW: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
+def allreduce_entry(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
                     timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
                     algo: Constexpr[int], hidden: Constexpr[int], K: Constexpr[int],
                     W: Constexpr[int], cpr: Constexpr[int], n_local: Constexpr[int],
                     dtype: Constexpr):
-    allreduce_kernel(mTab, mOut, mEY, mSlot, mW, T, epoch, rank0, skip_rank, timeout_ns,
+    allreduce_kernel(mTab, T, epoch, rank0, skip_rank, timeout_ns,
                      max_spins, algo, hidden, K, W, cpr, dtype).launch(
         grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream, cooperative=True)
 
@@ -124,14 +125,12 @@ def allreduce_entry(mTab: cute.Tensor, mOut: cute.Tensor, mEY: cute.Tensor, mSlo
 @functools.lru_cache(maxsize=None)
 def compile_allreduce(algo: int, hidden: int, top_k: int, world: int, cpr: int, n_local: int,
                       dtype: str, arch: str | None = None):
-    """Compiled TVM-FFI all-reduce (algo ONESHOT | TWOSHOT | FUSED). Call: f(table, out, ey_addrs,
-    slot, weights, T, epoch, rank0, skip_rank, timeout_ns, max_spins); ey_addrs/slot/weights are
-    only read by FUSED (pass 1-row dummies otherwise)."""
-    dt = DTYPES[dtype]
+    """Compiled TVM-FFI all-reduce (algo ONESHOT | TWOSHOT | FUSED). Call: f(table, T, epoch,
+    rank0, skip_rank, timeout_ns, max_spins) (output and fused inputs in F_ARG_* rows)."""
     return compile_tvm(
-        allreduce_entry, fake_rows(Int64, world, pb.NUM_FIELDS), fake_rows(dt, hidden),
-        fake_vec(Int64, n_local), fake_rows(Int32, top_k), fake_rows(Float32, top_k), 1, 1, 0,
-        -1, 1, 1, fake_stream(), algo, hidden, top_k, world, cpr, n_local, dt, arch=arch)
+        allreduce_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
+        Int32(-1), Int64(1), Int32(1), fake_stream(), algo, hidden, top_k, world, cpr, n_local,
+        DTYPES[dtype], arch=arch)
 
 
 def pick_algo(algo: str, nbytes: int) -> str:
@@ -150,16 +149,15 @@ def ar_input(bufs: pb.PeerBuffers, T: int, local_rank: int = 0) -> torch.Tensor:
     return bufs.view(pb.F_AR_IN, local_rank)[:T]
 
 
-def _launch(bufs, algo_code, T, out, ey_tab, slot, w, timeout_s, max_spins, check, skip_rank,
-            what):
+def _launch(bufs, algo_code, T, out, args, timeout_s, max_spins, check, skip_rank, what):
     s = bufs.spec
     ns, spins = wait_bounds(timeout_s, max_spins)
+    bufs.set_args({pb.F_ARG_Y: [o.data_ptr() for o in out], **args})
     epoch = bufs.take_sig_epochs(3 if algo_code == TWOSHOT else 2)
     cpr = ctas_per_rank(bufs.n_local, True)
     f = compile_allreduce(algo_code, s.hidden, s.top_k, s.world_size, cpr, bufs.n_local,
                           str(s.dtype).removeprefix("torch."))
-    f(bufs.table, out.view(-1, s.hidden), ey_tab, slot, w, T, epoch, bufs.rank0, skip_rank, ns,
-      spins)
+    f(bufs.table, T, epoch, bufs.rank0, skip_rank, ns, spins)
     if check:
         bufs.check_errors(what)
     return out
@@ -170,17 +168,11 @@ def _out(bufs, T, out):
     shape = (bufs.n_local, T, s.hidden)
     if out is None:
         return torch.empty(shape, dtype=s.dtype, device=bufs.device)
-    if tuple(out.shape) != shape or out.dtype != s.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {s.dtype} {shape}, got {out.dtype} {tuple(out.shape)}")
+    if (tuple(out.shape) != shape or out.dtype != s.dtype or not out.is_contiguous()
+            or out.device != bufs.device):
+        raise ValueError(f"out must be contiguous {s.dtype} {shape} on {bufs.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     return out
-
-
-def _dummies(bufs):
-    d = bufs.device
-    s = bufs.spec
-    return (torch.zeros(bufs.n_local, dtype=torch.int64, device=d),
-            torch.zeros(1, s.top_k, dtype=torch.int32, device=d),
-            torch.zeros(1, s.top_k, dtype=torch.float32, device=d))
 
 
 def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = None, *,
@@ -217,9 +209,8 @@ def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = Non
     out = _out(bufs, T, out)
     if T == 0:
         return out
-    return _launch(bufs, ALGOS[name], T, out, *bufs.cached(("ar_dummies",), lambda: _dummies(bufs)),
-                   timeout_s, max_spins, check,
-                   skip_rank, f"all_reduce ({name})")
+    return _launch(bufs, ALGOS[name], T, out, {}, timeout_s, max_spins, check, skip_rank,
+                   f"all_reduce ({name})")
 
 
 def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor],
@@ -254,8 +245,11 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
     out = _out(bufs, T, out)
     if T == 0:
         return out
-    ey_tab = bufs.cached(("ey", tuple(e.data_ptr() for e in eys)),
-                         lambda: addr_table(eys, bufs.device))
-    return _launch(bufs, FUSED, T, out, ey_tab,
-                   token_slot.reshape(-1, s.top_k).contiguous(), topk_weights.contiguous(),
-                   timeout_s, max_spins, check, skip_rank, "tp_combine_all_reduce")
+    slot = token_slot.contiguous()
+    w = topk_weights.contiguous()
+    args = {pb.F_ARG_EY: [e.data_ptr() for e in eys], pb.F_ARG_SLOT: [t.data_ptr() for t in slot],
+            pb.F_ARG_W: [w.data_ptr()] * bufs.n_local}
+    out = _launch(bufs, FUSED, T, out, args, timeout_s, max_spins, check, skip_rank,
+                  "tp_combine_all_reduce")
+    del slot, w  # (stream-ordered frees: safe while the kernel runs)
+    return out

@@ -28,10 +28,10 @@ import cuda.bindings.driver as cuda
 from cutlass import Constexpr, Float32, Int32, Int64
 
 from ..comm import peer_buffers as pb
-from .ep_dispatch import EPDispatchHandle, _rows_or_dummy
-from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
-                        copy_row, ctas_per_rank, fake_rows, fake_stream, fake_vec, i32_at, vec_at,
-                        vec_elems, wait_bounds, wait_ge)
+from .ep_dispatch import EPDispatchHandle, row_addrs
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, chunk_of,
+                        compile_tvm, copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at,
+                        vec_at, vec_elems, wait_bounds, wait_ge)
 
 PH_CSEND, PH_CREDUCE = 1, 2
 PH_CALL = PH_CSEND | PH_CREDUCE
@@ -63,26 +63,24 @@ def weighted_rows(srcs: list, rows: list, ws: list, dst: Int64, dst_row: Int32, 
 
 
 @cute.kernel
-def combine_kernel(mTab: cute.Tensor, mEY: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
-                   mY: cute.Tensor, mTok: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32,
-                   skip_rank: Int32, timeout_ns: Int64, max_spins: Int32,
+def combine_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
+                   timeout_ns: Int64, max_spins: Int32,
                    phases: Constexpr[int], hidden: Constexpr[int], K: Constexpr[int],
                    W: Constexpr[int], E_l: Constexpr[int], chunk: Constexpr[int],
                    cpr: Constexpr[int], dtype: Constexpr):
-    """Shapes: mTab int64 [NUM_FIELDS, W]; mEY int64 [n_local] addresses of expert_y per local
-    rank; mIds int32 [sum T, K]; mW fp32 [sum T, K]; mY [sum T, hidden] out; mTok int32
-    [n_local + 1]."""
+    """mTab int64 [NUM_FIELDS, W] is the only tensor. Per rank r (F_ARG_* rows): expert_y
+    [>= xout_rows, hidden] (F_ARG_EY), topk_ids int32 [T_r, K] (F_ARG_IDS), topk_weights fp32
+    [T_r, K] (F_ARG_W), output y [T_r, hidden] (F_ARG_Y), T_r (F_ARG_T)."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
     tidx, rl, lb, rank = block_rank(rank0, cpr)
-    tok0 = mTok[rl]
-    T = mTok[rl + 1] - tok0
+    T = Int32(mTab[pb.F_ARG_T, rank])
     err = mTab[pb.F_ERR, rank]
     if rank != skip_rank:
         if cutlass.const_expr(phases & PH_CSEND):
             counts = [_ld(i32_at(mTab[pb.F_NRECV, rank]) + q) for q in range(W)]
             _p, _c, _n, total = chunk_of(Int32(0), rank, counts, chunk, W)
-            ey = mEY[rl]
+            ey = mTab[pb.F_ARG_EY, rank]
             meta = i32_at(mTab[pb.F_RECV_META, rank])
             pos = i32_at(mTab[pb.F_POS, rank])
             for g in cutlass.range(lb, total, cpr):
@@ -102,27 +100,28 @@ def combine_kernel(mTab: cute.Tensor, mEY: cute.Tensor, mIds: cute.Tensor, mW: c
             stage = i32_at(mTab[pb.F_STAGE, rank])
             rflag = i32_at(mTab[pb.F_RET_FLAG, rank])
             ret = mTab[pb.F_RET_X, rank]
-            y = mY.iterator.toint()
+            y = mTab[pb.F_ARG_Y, rank]
+            ids = i32_at(mTab[pb.F_ARG_IDS, rank])
+            wts = cute.make_ptr(Float32, mTab[pb.F_ARG_W, rank], GMEM, assumed_align=4)
             for t in cutlass.range(lb, T, cpr):
                 if tidx < K:
-                    e = mIds[tok0 + t, tidx]
+                    e = _ld(ids + t * K + tidx)
                     r = e // E_l
                     wait_ge(rflag + (r * S + _ld(stage + t * K + tidx) // chunk), epoch, err,
                             timeout_ns, max_spins, Int32(6), r)
                 cute.arch.sync_threads()
-                ws = [mW[tok0 + t, j] for j in range(K)]
-                weighted_rows([ret] * K, [t * K + j for j in range(K)], ws, y, tok0 + t, tidx,
+                ws = [cute.arch.load(wts + t * K + j, Float32) for j in range(K)]
+                weighted_rows([ret] * K, [t * K + j for j in range(K)], ws, y, t, tidx,
                               threads, nv, dtype)
 
 
 @cute.jit
-def combine_entry(mTab: cute.Tensor, mEY: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
-                  mY: cute.Tensor, mTok: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32,
-                  skip_rank: Int32, timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
+def combine_entry(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
+                  timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
                   phases: Constexpr[int], hidden: Constexpr[int], K: Constexpr[int],
                   W: Constexpr[int], E_l: Constexpr[int], chunk: Constexpr[int],
                   cpr: Constexpr[int], n_local: Constexpr[int], dtype: Constexpr):
-    combine_kernel(mTab, mEY, mIds, mW, mY, mTok, epoch, S, rank0, skip_rank, timeout_ns,
+    combine_kernel(mTab, epoch, S, rank0, skip_rank, timeout_ns,
                    max_spins, phases, hidden, K, W, E_l, chunk, cpr, dtype).launch(
         grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
         cooperative=phases == PH_CALL)
@@ -132,20 +131,11 @@ def combine_entry(mTab: cute.Tensor, mEY: cute.Tensor, mIds: cute.Tensor, mW: cu
 def compile_combine(phases: int, hidden: int, top_k: int, world: int, local_experts: int,
                     chunk: int, cpr: int, n_local: int, dtype: str, arch: str | None = None):
     """Compiled TVM-FFI combine (PH_CALL = decode, one PH_C* = one prefill launch). Call:
-    f(table, ey_addrs, topk_ids, topk_weights, y, tok, epoch, S, rank0, skip_rank, timeout_ns,
-    max_spins)."""
-    dt = DTYPES[dtype]
-    tall = cute.sym_int()
+    f(table, epoch, S, rank0, skip_rank, timeout_ns, max_spins) (inputs in F_ARG_* rows)."""
     return compile_tvm(
-        combine_entry, fake_rows(Int64, world, pb.NUM_FIELDS), fake_vec(Int64, n_local),
-        fake_rows(Int32, top_k, tall), fake_rows(Float32, top_k, tall), fake_rows(dt, hidden, tall),
-        fake_vec(Int32, n_local + 1), 1, 1, 0, -1, 1, 1, fake_stream(), phases, hidden, top_k,
-        world, local_experts, chunk, cpr, n_local, dt, arch=arch)
-
-
-def addr_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-    """int64 device tensor of the tensors' data pointers (a small host-to-device copy)."""
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+        combine_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
+        Int32(-1), Int64(1), Int32(1), fake_stream(), phases, hidden, top_k, world,
+        local_experts, chunk, cpr, n_local, DTYPES[dtype], arch=arch)
 
 
 def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
@@ -183,21 +173,23 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
         raise ValueError(f"topk_weights must be float32 [{n}, {s.top_k}], got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
     y = torch.empty(n, s.hidden, dtype=s.dtype, device=bufs.device) if out is None else out
-    if tuple(y.shape) != (n, s.hidden) or y.dtype != s.dtype:
-        raise ValueError(f"out must be {s.dtype} [{n}, {s.hidden}], got {y.dtype} {tuple(y.shape)}")
+    if (tuple(y.shape) != (n, s.hidden) or y.dtype != s.dtype or not y.is_contiguous()
+            or y.device != bufs.device or topk_weights.device != bufs.device):
+        raise ValueError(f"out must be contiguous {s.dtype} [{n}, {s.hidden}] and topk_weights on "
+                         f"{bufs.device}; got out {y.dtype} {tuple(y.shape)} on {y.device}")
     ns, spins = wait_bounds(timeout_s, max_spins)
-    ey_tab = bufs.cached(("ey", tuple(e.data_ptr() for e in eys)),
-                         lambda: addr_table(eys, bufs.device))
-    ids, w, yy = (_rows_or_dummy(t) for t in (handle.topk_ids.contiguous(),
-                                               topk_weights.contiguous(), y))
+    w = topk_weights.contiguous()
+    bufs.set_args({pb.F_ARG_EY: [e.data_ptr() for e in eys],
+                   pb.F_ARG_IDS: row_addrs(handle.topk_ids, handle.tokens),
+                   pb.F_ARG_W: row_addrs(w, handle.tokens), pb.F_ARG_Y: row_addrs(y, handle.tokens),
+                   pb.F_ARG_T: handle.tokens})
     dname = str(s.dtype).removeprefix("torch.")
     decode = handle.mode == "decode"
     cpr = ctas_per_rank(bufs.n_local, decode)
     for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE)):
         f = compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
                             handle.chunk, cpr, bufs.n_local, dname)
-        f(bufs.table, ey_tab, ids, w, yy, handle.tok, handle.epoch, s.stage_rows, bufs.rank0,
-          skip_rank, ns, spins)
+        f(bufs.table, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
     if check:
         bufs.check_errors(f"ep_combine ({handle.mode}, epoch {handle.epoch})")
     return y

@@ -44,7 +44,7 @@ from cutlass import Constexpr, Int32, Int64
 
 from ..comm import peer_buffers as pb
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
-                        copy_row, ctas_per_rank, fake_rows, fake_stream, fake_vec, i32_at,
+                        copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at,
                         rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
 
 PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV = 1, 2, 4, 8
@@ -60,20 +60,21 @@ def _ld(p):
 
 
 @cute.kernel
-def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok: cute.Tensor,
-                    epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32, timeout_ns: Int64,
+def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
+                    timeout_ns: Int64,
                     max_spins: Int32, phases: Constexpr[int], hidden: Constexpr[int],
                     K: Constexpr[int], W: Constexpr[int], E_l: Constexpr[int],
                     chunk: Constexpr[int], cpr: Constexpr[int], align: Constexpr[int],
                     dtype: Constexpr):
     """Phases `phases` (bit set of PH_*) of the dispatch for the ranks of this launch: CTA b
-    serves rank rank0 + b // cpr. Shapes: mTab int64 [NUM_FIELDS, W]; mX [sum T, hidden];
-    mIds int32 [sum T, K]; mTok int32 [n_local + 1] token offsets of the local ranks."""
+    serves rank rank0 + b // cpr. mTab int64 [NUM_FIELDS, W] is the only tensor: rank r's
+    tokens x [T_r, hidden], topk_ids int32 [T_r, K] and T_r come from its F_ARG_X / F_ARG_IDS /
+    F_ARG_T rows (set by the host per call)."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
     tidx, rl, lb, rank = block_rank(rank0, cpr)
-    tok0 = mTok[rl]
-    T = mTok[rl + 1] - tok0
+    T = Int32(mTab[pb.F_ARG_T, rank])
+    ids = i32_at(mTab[pb.F_ARG_IDS, rank])
     err = mTab[pb.F_ERR, rank]
     smem = cutlass.memory.SmemAllocator()
     sA = smem.allocate_tensor(Int32, cute.make_layout(W * E_l), byte_alignment=16)
@@ -94,7 +95,7 @@ def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok:
                     cute.arch.store(i32_at(mTab[pb.F_ACK, tidx]) + rank, epoch - 1,
                                     sem="release", scope="sys")
             for i in cutlass.range(lb * threads + tidx, T * K, stride):
-                e = mIds[tok0 + i // K, i % K]
+                e = _ld(ids + i)
                 cute.arch.store(stage + i, cute.arch.atomic_add(cnt + e, Int32(1)))
         if cutlass.const_expr((phases & PH_COUNT) and (phases & PH_PUBLISH)):
             rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, timeout_ns, max_spins,
@@ -115,7 +116,7 @@ def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok:
                     cute.arch.store(nsend + tidx, acc)
             cute.arch.sync_threads()
             for i in cutlass.range(lb * threads + tidx, T * K, stride):
-                e = mIds[tok0 + i // K, i % K]
+                e = _ld(ids + i)
                 si = sA[e] + _ld(stage + i)
                 cute.arch.store(stage + i, si)
                 cute.arch.store(inv + (e // E_l) * S + si, i)
@@ -141,7 +142,7 @@ def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok:
                 cute.arch.store(cnt + q, Int32(0))  # every CTA read cnt before the barrier
             counts = [_ld(nsend + q) for q in range(W)]
             _p, _c, _n, total = chunk_of(Int32(0), rank, counts, chunk, W)
-            x_addr = mX.iterator.toint()
+            x_addr = mTab[pb.F_ARG_X, rank]
             for g in cutlass.range(lb, total, cpr):
                 r, c, n, _t = chunk_of(g, rank, counts, chunk, W)
                 dst = mTab[pb.F_RECV_X, r]
@@ -151,9 +152,9 @@ def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok:
                     if i < n:
                         item = _ld(inv + r * S + i)
                         t = item // K
-                        copy_row(x_addr, tok0 + t, dst, rank * S + i, tidx, threads, nv, dtype)
+                        copy_row(x_addr, t, dst, rank * S + i, tidx, threads, nv, dtype)
                         if tidx == 0:
-                            e = mIds[tok0 + t, item - t * K]
+                            e = _ld(ids + item)
                             cute.arch.store(meta + (rank * S + i) * 2, e % E_l)
                             cute.arch.store(meta + (rank * S + i) * 2 + 1, item)
                 cute.arch.sync_threads()
@@ -230,13 +231,13 @@ def dispatch_kernel(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok:
 
 
 @cute.jit
-def dispatch_entry(mTab: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor, mTok: cute.Tensor,
-                   epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32, timeout_ns: Int64,
-                   max_spins: Int32, stream: cuda.CUstream, phases: Constexpr[int],
+def dispatch_entry(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
+                   timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
+                   phases: Constexpr[int],
                    hidden: Constexpr[int], K: Constexpr[int], W: Constexpr[int],
                    E_l: Constexpr[int], chunk: Constexpr[int], cpr: Constexpr[int],
                    n_local: Constexpr[int], align: Constexpr[int], dtype: Constexpr):
-    dispatch_kernel(mTab, mX, mIds, mTok, epoch, S, rank0, skip_rank, timeout_ns, max_spins,
+    dispatch_kernel(mTab, epoch, S, rank0, skip_rank, timeout_ns, max_spins,
                     phases, hidden, K, W, E_l, chunk, cpr, align, dtype).launch(
         grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
         cooperative=phases == PH_ALL)
@@ -247,15 +248,12 @@ def compile_dispatch(phases: int, hidden: int, top_k: int, world: int, local_exp
                      chunk: int, cpr: int, n_local: int, align: int, dtype: str,
                      arch: str | None = None):
     """Compiled TVM-FFI dispatch for one configuration (phases PH_ALL = decode, one PH_* =
-    one prefill launch). Call: f(table, x, topk_ids, tok, epoch, S, rank0, skip_rank,
-    timeout_ns, max_spins) on the current torch stream."""
-    dt = DTYPES[dtype]
-    tall = cute.sym_int()
+    one prefill launch). Call: f(table, epoch, S, rank0, skip_rank, timeout_ns, max_spins) on
+    the current torch stream (the table's F_ARG_* rows hold the per-call inputs)."""
     return compile_tvm(
-        dispatch_entry, fake_rows(cutlass.Int64, world, pb.NUM_FIELDS), fake_rows(dt, hidden, tall),
-        fake_rows(Int32, top_k, tall), fake_vec(Int32, n_local + 1), 1, 1, 0, -1, 1, 1,
-        fake_stream(), phases, hidden, top_k, world, local_experts, chunk, cpr, n_local, align,
-        dt, arch=arch)
+        dispatch_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
+        Int32(-1), Int64(1), Int32(1), fake_stream(), phases, hidden, top_k, world,
+        local_experts, chunk, cpr, n_local, align, DTYPES[dtype], arch=arch)
 
 
 # ------------------------------------------------------------------------------------- host
@@ -265,8 +263,9 @@ class EPDispatchHandle:
 
     Attributes:
         epoch: the call's epoch (combine must use the newest dispatch's handle).
-        tokens: tokens per local rank; tok: int32 device [n_local + 1] token offsets.
-        topk_ids: int32 [sum T, k] (the dispatch's, kept for the combine).
+        tokens: tokens per local rank.
+        topk_ids: int32 [sum T, k] (the dispatch's, kept alive for the combine, which reads it).
+        x: the dispatched rows (kept alive until the kernels that read them have run).
         mode, chunk: how the rows were moved (combine reuses chunk: its flags mirror it).
         expert_x: per local rank, [xout_rows, H] rows in expert-major order (views into the
             peer buffers: valid until the next dispatch).
@@ -275,12 +274,21 @@ class EPDispatchHandle:
 
     epoch: int
     tokens: list[int]
-    tok: torch.Tensor
-    topk_ids: torch.Tensor
+    topk_ids: torch.Tensor = field(repr=False)
+    x: torch.Tensor = field(repr=False)
     mode: str
     chunk: int
     expert_x: list[torch.Tensor] = field(repr=False)
     expert_offsets: list[torch.Tensor] = field(repr=False)
+
+
+def row_addrs(t: torch.Tensor, tokens: Sequence[int]) -> list[int]:
+    """Address of each local rank's first row of a row-major [sum T_r, ...] tensor."""
+    row = t.stride(0) * t.element_size()
+    starts = [0]
+    for n in tokens[:-1]:
+        starts.append(starts[-1] + n)
+    return [t.data_ptr() + s * row for s in starts]
 
 
 def pick_mode(mode: str, max_tokens: int) -> str:
@@ -290,12 +298,6 @@ def pick_mode(mode: str, max_tokens: int) -> str:
     if mode == "auto":
         return "decode" if max_tokens <= DECODE_MAX_TOKENS else "prefill"
     return mode
-
-
-def _rows_or_dummy(t: torch.Tensor) -> torch.Tensor:
-    """A 0-row tensor becomes 1 zero row: the kernels never read it (all T are 0), and TVM-FFI
-    gets a real, aligned device pointer."""
-    return t if t.shape[0] else torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
 
 
 def check_inputs(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -350,19 +352,19 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     tokens = check_inputs(bufs, x, topk_ids, tokens_per_rank)
     mode = pick_mode(mode, max(tokens))
     chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
-    tok = bufs.cached(("tok", tuple(tokens)), lambda: torch.tensor(
-        [0] + list(torch.tensor(tokens).cumsum(0).tolist()), dtype=torch.int32, device=bufs.device))
+    x, topk_ids = x.contiguous(), topk_ids.contiguous()
+    bufs.set_args({pb.F_ARG_X: row_addrs(x, tokens), pb.F_ARG_IDS: row_addrs(topk_ids, tokens),
+                   pb.F_ARG_T: tokens})
     epoch = bufs.next_epoch()
     ns, spins = wait_bounds(timeout_s, max_spins)
-    xx, ids = _rows_or_dummy(x.contiguous()), _rows_or_dummy(topk_ids.contiguous())
     dname = str(s.dtype).removeprefix("torch.")
     phase_list = (PH_ALL,) if mode == "decode" else PREFILL_PHASES
     cpr = ctas_per_rank(bufs.n_local, mode == "decode")
     for ph in phase_list:
         f = compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts, chunk,
                              cpr, bufs.n_local, s.align, dname)
-        f(bufs.table, xx, ids, tok, epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
-    handle = EPDispatchHandle(epoch, tokens, tok, topk_ids, mode, chunk,
+        f(bufs.table, epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
+    handle = EPDispatchHandle(epoch, tokens, topk_ids, x, mode, chunk,
                               [bufs.expert_x(i) for i in range(bufs.n_local)],
                               [bufs.expert_offsets(i) for i in range(bufs.n_local)])
     bufs._last_dispatch = epoch
