@@ -408,6 +408,17 @@ class PeerBuffers:
             self._host_table = new
             self.table.copy_(new)
 
+    def launch(self, fn, *args) -> None:
+        """Launch a compiled kernel on the table. With MOE_RUNTIME_SYNC_LAUNCH=1 the device is
+        synchronized before and after (debug aid: rules out any ordering between the kernel
+        and the torch work around it; costs a host sync per launch)."""
+        sync = os.environ.get("MOE_RUNTIME_SYNC_LAUNCH") == "1" and self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        fn(self.table, *args)
+        if sync:
+            torch.cuda.synchronize(self.device)
+
     def cached(self, key, make):
         """Small device tensors (token offsets, address tables) kept per key, so repeated calls
         make no host-to-device copies (and can be captured in a CUDA graph once warmed up).

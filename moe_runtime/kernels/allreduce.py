@@ -157,7 +157,7 @@ def _launch(bufs, algo_code, T, out, args, timeout_s, max_spins, check, skip_ran
     cpr = ctas_per_rank(bufs.n_local, True)
     f = compile_allreduce(algo_code, s.hidden, s.top_k, s.world_size, cpr, bufs.n_local,
                           str(s.dtype).removeprefix("torch."))
-    f(bufs.table, T, epoch, bufs.rank0, skip_rank, ns, spins)
+    bufs.launch(f, T, epoch, bufs.rank0, skip_rank, ns, spins)
     if check:
         bufs.check_errors(what)
     return out

@@ -189,7 +189,7 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
     for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE)):
         f = compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
                             handle.chunk, cpr, bufs.n_local, dname)
-        f(bufs.table, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
+        bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
     if check:
         bufs.check_errors(f"ep_combine ({handle.mode}, epoch {handle.epoch})")
     return y

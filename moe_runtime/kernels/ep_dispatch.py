@@ -363,7 +363,7 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     for ph in phase_list:
         f = compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts, chunk,
                              cpr, bufs.n_local, s.align, dname)
-        f(bufs.table, epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
+        bufs.launch(f, epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
     handle = EPDispatchHandle(epoch, tokens, topk_ids, x, mode, chunk,
                               [bufs.expert_x(i) for i in range(bufs.n_local)],
                               [bufs.expert_offsets(i) for i in range(bufs.n_local)])
