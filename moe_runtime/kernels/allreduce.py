@@ -19,6 +19,20 @@ P16: a barrier before reading peers and one before returning). Every wait is bou
 timeout raises PeerTimeoutError naming the rank, the phase and the peer.
 Launches are cooperative (all ranks' CTAs co-resident; for virtual ranks grid <= SMs).
 NVLS (multimem) lives in nvls_allreduce.py and is never selected unless nvls_allowed().
+
+Topology hook (tp `cute` backend; topologies/tp.py is not this file's owner):
+
+    bufs = PeerBuffers.from_process_group(PeerSpec(W, max_tokens, H, k, E, dtype, align), group)
+    # decode (one launch): local weighted gather-sum + one-shot all-reduce
+    y = tp_combine_all_reduce(bufs, [expert_y], token_slot[None], topk_weights)[0]
+    # prefill: local combine (kernels.cute_ops.combine / reference.combine) written into the
+    # peer buffer, then the all-reduce reads it in place (one-/two-shot picked by size)
+    ar_input(bufs, T).copy_(reference.combine(expert_y, token_slot, topk_weights))
+    y = all_reduce(bufs, None, T)[0]
+
+Status (issue 5 session): one-shot and two-shot (W=2 virtual ranks, T 1..64, H 7168) equal
+torch's sum on the H200; the fused decode kernel faulted natively (passed under
+compute-sanitizer); see the issue-5 report.
 """
 from __future__ import annotations
 

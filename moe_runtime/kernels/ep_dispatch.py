@@ -28,6 +28,28 @@ the rank, the phase and the peer waited for.
 
 Flags never go stale: epochs grow per call and waits use a wrap-safe >=, so buffers are reused
 without a memset.
+
+Topology hook (dp_nvlink `cute` backend; topologies/dp_nvlink.py is not this file's owner):
+
+    from moe_runtime.comm.peer_buffers import PeerBuffers, PeerSpec
+    from moe_runtime.kernels.ep_dispatch import ep_dispatch
+    from moe_runtime.kernels.ep_combine import ep_combine
+    # once, every rank, after the process group exists (sizes from the model config):
+    bufs = PeerBuffers.from_process_group(PeerSpec(W, max_tokens_per_rank, H, k, E, dtype, align),
+                                          group)
+    def _dispatch(self, x, topk_ids, topk_weights):
+        h = ep_dispatch(bufs, x, topk_ids)             # [T, H], int32 [T, k]; one rank
+        return DispatchResult(h.expert_x[0], h.expert_offsets[0],
+                              {"ep": h, "topk_weights": topk_weights})
+    def _combine(self, expert_y, result):
+        h = result.handle
+        return ep_combine(bufs, h["ep"], expert_y, h["topk_weights"])   # y [T, H]
+expert_x is the full-capacity view [xout_rows, H] (rows past expert_offsets[-1] unspecified),
+so the experts must honour expert_offsets and expert_y must have >= xout_rows rows.
+
+Status (issue 5 session): compiled for sm_90a/sm_100a and PTX-checked; on the H200 the
+virtual-rank runs of this dispatch faulted (illegal address) natively while the same calls
+passed under compute-sanitizer; see the issue-5 report. Not yet trustworthy on a GPU.
 """
 from __future__ import annotations
 
