@@ -56,7 +56,8 @@ class MoELayer(nn.Module):
         self.topology = topology
         self.router = Router(config, backend=backend, device=device)
         self.experts = Experts(topology.num_local_experts, config.hidden_size,
-                               config.moe_intermediate_size, dtype=config.dtype, device=device)
+                               config.moe_intermediate_size, dtype=config.dtype, device=device,
+                               backend=backend)
         self.shared_expert = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(config.hidden_size, config.shared_expert_intermediate_size,
@@ -86,7 +87,8 @@ class MoELayer(nn.Module):
             gate_up_proj, down_proj = gate_up_proj[r.start:r.stop], down_proj[r.start:r.stop]
         self.experts = Experts(len(r), self.config.hidden_size, self.config.moe_intermediate_size,
                                gate_up_proj=gate_up_proj, down_proj=down_proj,
-                               use_grouped_mm=self.experts.use_grouped_mm)
+                               use_grouped_mm=self.experts.use_grouped_mm,
+                               backend=self.experts.backend)
         self.invalidate_cuda_graphs()
 
     # -- CUDA graphs ----------------------------------------------------------------------------

@@ -4,7 +4,8 @@ and the PTX holds the instructions the design relies on.
 Grid (issue 4): dtype {bf16, fp16, fp32} x hidden {128, 576, 2048, 2880, 4096, 7168} x
 (E, k) {(8,2), (64,6), (128,8), (256,8), (384,8)} x mode {decode, prefill} for dispatch and
 combine, plus the routing kernel (softmax, and sigmoid + bias + groups) for each (E, k), plus the
-grid-barrier probe. Compiles run in a process pool of min(2, CPUs) workers, one task per
+grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at the Qwen3-30B-A3B,
+DeepSeek-V3 and Mixtral expert shapes for the 16-bit dtypes. Compiles run in a process pool of min(2, CPUs) workers, one task per
 (arch, dtype) (about 2.5 minutes on 2 cores).
 
 Optional result cache: set MOE_RUNTIME_COMPILE_CACHE to a directory and a configuration that
@@ -52,6 +53,7 @@ FACTS = {
     "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx"],
     "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32"],
     "route": [r"shfl\.sync\.bfly", r"atom\.shared\.add", r"atom\.global\.acq_rel(\.gpu)?\.add\.u32"],
+    "expert_gemv": [V4_LD, r"shfl\.sync\.bfly", r"redux\.sync\.add", r"fma\.rn\.f32|add\.f32"],
     "barrier_probe": [r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32",
                       r"%globaltimer"],
 }
@@ -68,6 +70,10 @@ def _route_specs():
     return out
 
 
+# (H, I, E) of the expert GEMV: Qwen3-30B-A3B, DeepSeek-V3, Mixtral, and an odd small shape
+GEMV_SHAPES = ((2048, 768, 128), (7168, 2048, 256), (4096, 14336, 8), (576, 72, 8))
+
+
 def specs_for(arch: str, dtype: str) -> list[tuple]:
     """(kind, getter args) for one (arch, dtype) task; dtype-free kernels go with bf16."""
     out = []
@@ -78,6 +84,9 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
         for k in sorted({k for _, k in EK}):
             for mode in MODES:
                 out.append(("combine", (dtype, H, k, mode)))
+    if dtype != "float32":
+        for H, I, E in GEMV_SHAPES:
+            out += [("expert_gemv", (dtype, H, 2 * I, E, True)), ("expert_gemv", (dtype, I, H, E, False))]
     if dtype == "bfloat16":
         out += [("dispatch_slots", (E, k)) for E, k in EK]
         out += _route_specs() + [("barrier_probe", ())]
@@ -104,7 +113,8 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
                "dispatch_copy": cc.dispatch_copy_fn,
                "combine": lambda d, h, k, mode, arch: cc.combine_fn(d, h, k, *cc.combine_shape(mode),
                                                                     arch=arch),
-               "route": cc.route_fn, "barrier_probe": cc.barrier_probe_fn}
+               "route": cc.route_fn, "barrier_probe": cc.barrier_probe_fn,
+               "expert_gemv": cc.expert_gemv_fn}
     results = []
     for kind, args in specs_for(arch, dtype):
         if _cache_id(key, arch, kind, args) in cached:

@@ -31,6 +31,7 @@ from . import combine as _combine
 from . import dispatch_copy as _dcopy
 from . import dispatch_decode as _ddec
 from . import dispatch_slots as _dslots
+from . import expert_gemv as _gemv
 from . import route_topk as _route
 
 DTYPES = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
@@ -45,7 +46,7 @@ DISPATCH_COPY_V = 4
 COMBINE_WARPS = {"decode": 4, "prefill": 8}
 
 # the source files whose text decides the generated code (tests hash them for their cache)
-KERNEL_MODULES = (_gb, _combine, _dcopy, _ddec, _dslots, _route)
+KERNEL_MODULES = (_gb, _combine, _dcopy, _ddec, _dslots, _gemv, _route)
 
 
 def combine_shape(mode: str) -> tuple[int, int]:
@@ -127,6 +128,28 @@ def combine_fn(dtype: str, H: int, K: int, warps: int, v: int, arch: str | None 
     return cute.compile(
         _combine.combine, _rows(dt, H), _rows(Int32, K, T), _rows(Float32, K, T), _rows(dt, H, T),
         _stream(), H, K, warps, v, options=_options(arch))
+
+
+# expert GEMV launch shape: output rows per warp, warps per block, 16-byte vectors per lane in
+# flight per chunk (SwiGLU reads two weight rows per output row, so fewer rows per warp).
+GEMV_WARPS = 4
+GEMV_CH = 4
+
+
+def gemv_rows(swiglu: bool) -> int:
+    return 2 if swiglu else 4
+
+
+@functools.lru_cache(maxsize=None)
+def expert_gemv_fn(dtype: str, K: int, M: int, E: int, swiglu: bool, arch: str | None = None):
+    """fn(x [N,K], offsets int32 [E+1], w [E,M,K], out [N, M/2 if swiglu else M])."""
+    dt = DTYPES[dtype]
+    N = cute.sym_int()
+    w = make_fake_compact_tensor(dt, (E, M, K), stride_order=(2, 1, 0), assumed_align=16)
+    return cute.compile(
+        _gemv.expert_gemv, _rows(dt, K, N), _vec(Int32, E + 1), w,
+        _rows(dt, M // 2 if swiglu else M, N), _stream(), K, M, E, swiglu, gemv_rows(swiglu),
+        GEMV_WARPS, GEMV_CH, options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)

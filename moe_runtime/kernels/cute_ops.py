@@ -37,7 +37,7 @@ from . import route_topk as _route
 from .reference import dispatch_capacity
 
 __all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode",
-           "select_dispatch_mode", "select_combine_mode", "check_errors"]
+           "select_dispatch_mode", "select_combine_mode", "check_errors", "expert_gemv"]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -343,6 +343,50 @@ def _combine(expert_y, token_slot, topk_weights, mode: str) -> torch.Tensor:
         fn = cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, *cc.combine_shape(mode))
         fn(expert_y, token_slot, topk_weights, y)
     return y
+
+
+# ---------------------------------------------------------------------------- expert GEMV
+def expert_gemv(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor, *,
+                swiglu: bool) -> torch.Tensor:
+    """Per-row expert matrix-vector product over expert-major rows (decode-sized N).
+
+    Args:
+        x: [N, K] bf16/fp16/fp32 rows; row r belongs to the expert e with
+            expert_offsets[e] <= r < expert_offsets[e+1].
+        expert_offsets: int32 [E + 1] (as dispatch returns it).
+        weight: [E, M, K] in x's dtype, HF layout (out-features first).
+        swiglu: M is [gate; up] (HF gate_up_proj): out = silu(W_gate x) * (W_up x), [N, M/2];
+            otherwise out = W x, [N, M].
+
+    Returns:
+        out in x.dtype; rows >= expert_offsets[E] are unspecified. fp32 accumulation.
+
+    Each row re-reads its expert's weights, so this is for decode (a few rows per expert);
+    `moe_runtime.experts.Experts` switches to the grouped GEMM above GEMV_MAX_ROWS rows.
+
+    Raises:
+        TypeError / ValueError: dtypes, shapes, devices, contiguity, 16-byte alignment of rows.
+    """
+    _check("x", x, tuple(_DTYPE_NAMES), 2)
+    _check("expert_offsets", expert_offsets, (torch.int32,), 1, x.device)
+    _check("weight", weight, (x.dtype,), 3, x.device)
+    E, M, K = weight.shape
+    if x.shape[1] != K or expert_offsets.shape[0] != E + 1:
+        raise ValueError(f"need x [N, {K}] and expert_offsets [{E + 1}] for weight "
+                         f"{tuple(weight.shape)}, got x {tuple(x.shape)}, expert_offsets "
+                         f"{tuple(expert_offsets.shape)}")
+    if swiglu and M % 2:
+        raise ValueError(f"swiglu needs an even number of weight rows [gate; up], got {M}")
+    _check_hidden("x", x)
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"experts must be in [1, {MAX_EXPERTS}], got {E}")
+    out_cols = M // 2 if swiglu else M
+    _check_rows_fit("out", x.shape[0], out_cols)
+    raise_pending()
+    out = torch.empty(x.shape[0], out_cols, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        cc.expert_gemv_fn(_DTYPE_NAMES[x.dtype], K, M, E, swiglu)(x, expert_offsets, weight, out)
+    return out
 
 
 # ---------------------------------------------------------------------------- test hook

@@ -1,0 +1,86 @@
+"""Decode experts: CuTeDSL expert GEMV vs torch._grouped_mm on the same expert-major rows.
+
+For each shape and T: the rows come from a real dispatch of T random tokens (k experts each);
+both paths run gate_up -> SwiGLU -> down (`Experts.forward`), timed from CUDA-graph replay.
+Floors: the weight bytes each path must read at the device copy bandwidth measured in the same
+run: the grouped GEMM reads each active expert once; the GEMV reads its expert per row (rows of
+one expert read it again, mostly from L2). `grouped/gemv` > 1 means the GEMV is faster; the
+largest T*k rows where it stays faster is the crossover that `moe_runtime.experts.GEMV_MAX_ROWS`
+encodes. Replaying one call keeps part of the weights in the 50 MB L2 for the small shapes, for
+both paths alike. Prints a table, writes JSON (--out); never asserts a time.
+
+Usage: python benchmarks/expert_gemv.py [--out bench_out/expert_gemv.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+from moe_runtime.experts import GEMV_MAX_ROWS, Experts
+from moe_runtime.kernels import cute_ops
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from local_dispatch_combine import copy_bandwidth, graph_us  # noqa: E402
+
+SHAPES = {  # name: (H, I, E, k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral": (4096, 14336, 8, 2),
+}
+TOKENS = (1, 2, 4, 8, 16)
+
+
+def measure(name: str, T: int, bw: float) -> dict:
+    H, I, E, k = SHAPES[name]
+    torch.manual_seed(T)
+    fast = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
+    grouped = Experts(E, H, I, gate_up_proj=fast.gate_up_proj, down_proj=fast.down_proj,
+                      backend="reference")
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
+    ex, off, _ = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
+    ex = ex.contiguous()
+    rows = T * k
+    per_expert = 3 * H * I * 2
+    active = int((off[1:] > off[:-1]).sum())
+    res = {"shape": name, "T": T, "rows": rows, "active_experts": active,
+           "grouped_us": graph_us(lambda: grouped(ex, off), reps=20),
+           "grouped_floor_us": active * per_expert / bw * 1e6,
+           "gemv_floor_us": rows * per_expert / bw * 1e6}
+    res["gemv_us"] = graph_us(lambda: fast(ex, off), reps=20) if fast._gemv(ex) else None
+    if res["gemv_us"] is not None:
+        a, b = fast(ex, off)[:rows].double(), grouped(ex, off)[:rows].double()
+        res["rel_diff"] = float((a - b).abs().max() / b.abs().max())
+    return res
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_out/expert_gemv.json")
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth()["best"]
+    rows = [measure(name, T, bw) for name in SHAPES for T in TOKENS]
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, "
+          f"GEMV_MAX_ROWS={GEMV_MAX_ROWS}")
+    print(f"{'shape':15}{'T':>4}{'rows':>6}{'active':>7}{'gemv us':>10}{'floor':>8}{'grouped us':>12}"
+          f"{'floor':>8}{'grouped/gemv':>14}{'diff':>9}")
+    for r in rows:
+        g = r["gemv_us"]
+        gemv = f"{g:.1f}" if g else "-"
+        ratio = f"{r['grouped_us'] / g:.2f}" if g else "-"
+        print(f"{r['shape']:15}{r['T']:>4}{r['rows']:>6}{r['active_experts']:>7}{gemv:>10}"
+              f"{r['gemv_floor_us']:>8.1f}{r['grouped_us']:>12.1f}{r['grouped_floor_us']:>8.1f}"
+              f"{ratio:>14}{r.get('rel_diff', float('nan')):>9.1e}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
+                              indent=1))
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Decode expert GEMV (kernels/expert_gemv.py) against a float64 reference on the GPU."""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from moe_runtime.experts import GEMV_MAX_ROWS, Experts  # noqa: E402
+
+
+def _ops():
+    from moe_runtime.kernels import cute_ops
+    return cute_ops
+
+
+def _offsets(counts, align=1):
+    padded = [(c + align - 1) // align * align for c in counts]
+    return torch.tensor([0] + torch.tensor(padded).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _reference(x, offsets, w, swiglu):
+    """float64 per-row W[e] @ x[r] (SwiGLU on [gate; up]) for rows < offsets[-1]."""
+    off = offsets.tolist()
+    n_used = off[-1]
+    out = []
+    for r in range(n_used):
+        e = max(i for i in range(len(off) - 1) if off[i] <= r)
+        h = w[e].double() @ x[r].double()
+        if swiglu:
+            g, u = h.chunk(2)
+            h = torch.nn.functional.silu(g) * u
+        out.append(h)
+    return torch.stack(out) if out else torch.zeros(0, w.shape[1] // (2 if swiglu else 1))
+
+
+CASES = [  # (H, I, E, counts per expert, align)
+    (2048, 768, 128, [1 if e in (3, 17, 40, 64, 90, 100, 101, 127) else 0 for e in range(128)], 1),
+    (2048, 768, 128, [8] + [0] * 127, 1),                       # one expert gets every row
+    (7168, 2048, 16, [3, 0, 0, 5, 1] + [0] * 11, 1),            # DeepSeek-V3 widths, empty experts
+    (4096, 1024, 8, [2, 0, 1, 0, 0, 0, 0, 3], 8),               # align padding rows inside segments
+    (576, 72, 8, [1, 2, 0, 0, 0, 0, 0, 1], 1),                  # tail vectors (72 = 9 x 8)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,I,E,counts,align", CASES)
+def test_gemv_matches_float64(H, I, E, counts, align, dtype):
+    ops = _ops()
+    g = torch.Generator(device="cuda").manual_seed(hash((H, I, E, align)) % 2**31)
+    offsets = _offsets(counts, align)
+    n_used = int(offsets[-1])
+    N = n_used + 3  # rows past offsets[-1] exist and must not break anything
+    x = torch.randn(N, H, device="cuda", generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).to(dtype)
+    act = ops.expert_gemv(x, offsets, w13, swiglu=True)
+    assert act.shape == (N, I) and act.dtype == dtype
+    ref_act = _reference(x, offsets, w13, True)
+    err = (act[:n_used].double() - ref_act).abs().max() / ref_act.abs().max()
+    assert err <= 1e-2, f"gate_up+SwiGLU rel err {err:.3e}"
+    y = ops.expert_gemv(act, offsets, w2, swiglu=False)
+    ref_y = _reference(act, offsets, w2, False)
+    err = (y[:n_used].double() - ref_y).abs().max() / ref_y.abs().max()
+    assert y.shape == (N, H) and err <= 1e-2, f"down rel err {err:.3e}"
+
+
+def test_gemv_writes_every_used_row():
+    """Outputs start as NaN (the caching allocator hands back the poisoned block)."""
+    ops = _ops()
+    E, H, I = 4, 256, 64
+    offsets = _offsets([2, 0, 3, 1])
+    x = torch.randn(6, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.full((6, I), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed, then reused
+        out = ops.expert_gemv(x, offsets, w, swiglu=True)
+        assert not out.isnan().any()
+
+
+def test_gemv_rejects_bad_input():
+    ops = _ops()
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    off = _offsets([4, 0])
+    w = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype"):
+        ops.expert_gemv(x, off, w.half(), swiglu=True)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        ops.expert_gemv(x, off[:2], w, swiglu=True)
+    with pytest.raises(ValueError, match="x \\[N, 256\\]"):
+        ops.expert_gemv(x[:, :128].contiguous(), off, w, swiglu=True)
+    with pytest.raises(ValueError, match="even"):
+        ops.expert_gemv(x, off, w[:, :127].contiguous(), swiglu=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.expert_gemv(x.t().contiguous().t(), off, w, swiglu=True)
+
+
+@pytest.mark.parametrize("rows", [1, 8, GEMV_MAX_ROWS])
+def test_experts_gemv_path_equals_grouped_path(rows):
+    """Experts picks the GEMV for N <= GEMV_MAX_ROWS; it must agree with torch._grouped_mm."""
+    torch.manual_seed(rows)
+    E, H, I = 64, 2048, 768
+    fast = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
+    slow = Experts(E, H, I, gate_up_proj=fast.gate_up_proj, down_proj=fast.down_proj,
+                   backend="reference")
+    assert fast._gemv(torch.empty(rows, H, device="cuda", dtype=torch.bfloat16))
+    few = Experts(8, H, I, gate_up_proj=fast.gate_up_proj[:8], down_proj=fast.down_proj[:8])
+    assert few._gemv(torch.empty(12, H, device="cuda", dtype=torch.bfloat16))
+    assert not few._gemv(torch.empty(13, H, device="cuda", dtype=torch.bfloat16))  # > 1.5 x E
+    counts = torch.bincount(torch.randint(0, E, (rows,)), minlength=E).tolist()
+    offsets = _offsets(counts)
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    a, b = fast(x, offsets), slow(x, offsets)
+    err = (a.double() - b.double()).abs().max() / b.double().abs().max()
+    assert err <= 2e-2, f"rel err {err:.3e}"
