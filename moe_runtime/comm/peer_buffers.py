@@ -94,10 +94,6 @@ PHASES = {
     9: "all-reduce: cross-rank barrier before returning (peers done reading)",
 }
 
-_NVLS_OFF_VARS = (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
-                  ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
-
-
 class PeerTimeoutError(RuntimeError):
     """A bounded device-side wait gave up. `errors` holds one dict per failing rank:
     {rank, phase, phase_name, peer, expected, seen}."""
@@ -207,9 +203,10 @@ def nvls_allowed(device: torch.device | int | None = None) -> tuple[bool, str]:
     The variables are checked first, so with any of them set the device is never queried.
     Returns (allowed, one-line reason).
     """
-    for var, off in _NVLS_OFF_VARS:
-        if os.environ.get(var) == off:
-            return False, f"{var}={off} is set"
+    from ..topologies.select import nvls_disabled_by  # one reading of the variables (select.py)
+    off = nvls_disabled_by(dict(os.environ))
+    if off:
+        return False, f"{off} is set"
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     try:
