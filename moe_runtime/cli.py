@@ -106,7 +106,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
     engine = None
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
-        engine = Engine(model_dir, world_size=args.world_size or 1, topology=args.topology,
+        engine = Engine(model_dir, world_size=1 if args.world_size is None else args.world_size, topology=args.topology,
                         attention=args.attention,
                         ray_address=args.ray_address, device=args.device, dtype=args.dtype,
                         timeout_s=args.timeout, progress=not args.no_progress)

@@ -1,6 +1,7 @@
 """MoEConfig: the shape and routing rules of one Mixture-of-Experts layer."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -36,6 +37,7 @@ class MoEConfig:
         dtype: parameter and activation dtype.
 
     Raises:
+        TypeError: a size that is not an int.
         ValueError: on inconsistent sizes (k > E, E % n_group != 0, ...).
     """
 
@@ -59,9 +61,22 @@ class MoEConfig:
             if self.dtype not in _DTYPES:
                 raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
             object.__setattr__(self, "dtype", _DTYPES[self.dtype])
+        for name in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size", "n_group",
+                     "topk_group", "shared_expert_intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
         for name in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size"):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be >= 0 (0 = none), got "
+                             f"{self.shared_expert_intermediate_size}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got "
+                             f"{self.routed_scaling_factor}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if self.scoring not in ("softmax", "sigmoid"):

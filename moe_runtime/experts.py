@@ -116,6 +116,8 @@ class Experts(nn.Module):
         """Whether forward takes torch._grouped_mm (else the per-expert loop)."""
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
+        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return False  # torch.compile's _grouped_mm lowering accepts bf16 only
         return self._rows_16b_aligned(dtype) and grouped_mm_supported(device.type, device.index, dtype)
 
     def _rows_16b_aligned(self, dtype: torch.dtype) -> bool:

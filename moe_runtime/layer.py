@@ -11,6 +11,7 @@ from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fin
 from .experts import Experts, SharedExpert
 from .kernels import resolve_backend
 from .routing import Router
+from .kernels import check_backend_name
 from .topologies.base import Topology
 
 
@@ -47,6 +48,9 @@ class MoELayer(nn.Module):
                  backend: str = "auto", align: int = 1, device=None):
         super().__init__()
         self.config = config
+        check_backend_name(backend)
+        if not isinstance(topology, (str, Topology)):
+            raise TypeError(f"topology must be a name or a Topology, got {type(topology).__name__}")
         if isinstance(topology, str):
             from .topologies import make_topology
             topology = make_topology(topology, config.num_experts, group=group, align=align,
@@ -81,7 +85,11 @@ class MoELayer(nn.Module):
 
         Raises:
             ValueError: shapes that fit neither form.
+            TypeError: weights not in config.dtype.
         """
+        for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            if w.dtype != self.config.dtype:
+                raise TypeError(f"{name} must be {self.config.dtype} (config.dtype), got {w.dtype}")
         r = self.local_expert_range
         if gate_up_proj.shape[0] == self.config.num_experts != len(r):
             gate_up_proj, down_proj = gate_up_proj[r.start:r.stop], down_proj[r.start:r.stop]
@@ -176,6 +184,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
         if hidden_states.dtype != c.dtype:
             raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
+        if self.router.weight.dtype != c.dtype or self.experts.gate_up_proj.dtype != c.dtype:
+            raise TypeError(f"the layer's parameters are {self.experts.gate_up_proj.dtype} but its "
+                            f"config.dtype is {c.dtype}: build it with MoEConfig(dtype=...) instead "
+                            f"of casting it with .to(dtype)")
         x = hidden_states.reshape(-1, c.hidden_size)
         y = self.cuda_graphs(x) if self._use_graphs(x) else self._forward_tokens(x)
         return y.view(hidden_states.shape)

@@ -199,3 +199,8 @@ def test_ray_job_submit_runs_the_deploy_entry(ckpt, short_tmp):
 def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert cli_main(["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"]) == 1
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_generate_rejects_world_size_zero(ckpt, capsys):
+    assert cli_main(["generate", "--model", str(ckpt), "--prompt", "hi", "--world-size", "0"]) == 1
+    assert "world_size must be >= 1, got 0" in capsys.readouterr().err

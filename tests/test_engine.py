@@ -229,3 +229,31 @@ def test_cuda_ranks_greedy_ids_equal_hf_generate(ray_session, ckpt, reference, w
     with Engine(ckpt, world_size=world_size, topology=topology, device="cuda", progress=False) as eng:
         assert eng.device == "cuda"
         assert ids_of(eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))) == reference
+
+
+def test_bad_requests_are_rejected_in_the_driver_and_the_engine_lives_on(engines, reference):
+    eng = engines(2, "dp_nvlink")
+    vocab = eng.spec.vocab_size
+    for bad in ([[vocab]], [[-1]], [[5, vocab + 7]]):
+        with pytest.raises(ValueError, match=f"vocab_size={vocab}"):
+            eng.generate_ids(bad, SamplingParams(max_new_tokens=2))
+    # a single string is one prompt (as vLLM's LLM.generate), not one prompt per character
+    one = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=NEW))
+    assert len(one.completions) == 1 and one.completions[0].token_ids == reference[0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_sampling_params_reject_non_finite_temperature(bad):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=bad)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=float("nan"))
+
+
+def test_unreachable_ray_address_fails_fast(ckpt):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        Engine(ckpt, world_size=1, topology="local", ray_address=f"127.0.0.1:{port}", timeout_s=5)

@@ -219,3 +219,50 @@ def test_experts_unaligned_rows_use_loop():
     x = torch.randn(7, 6)
     ref = Experts(3, 6, 5, gate_up_proj=ex.gate_up_proj, down_proj=ex.down_proj, use_grouped_mm=False)
     torch.testing.assert_close(ex(x, offsets), ref(x, offsets))
+
+
+@pytest.mark.parametrize("bad,exc,msg", [
+    (dict(hidden_size=2.5), TypeError, "hidden_size must be an int"),
+    (dict(num_experts=4.0), TypeError, "num_experts must be an int"),
+    (dict(top_k=True), TypeError, "top_k must be an int"),
+    (dict(shared_expert_intermediate_size=-1), ValueError, "shared_expert_intermediate_size"),
+    (dict(shared_expert_gate=True), ValueError, "shared_expert_gate needs a shared expert"),
+    (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
+])
+def test_config_rejects_wrong_types(bad, exc, msg):
+    kw = dict(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8)
+    kw.update(bad)
+    with pytest.raises(exc, match=msg):
+        MoEConfig(**kw)
+
+
+def test_layer_rejects_bad_construction_and_dtype_drift():
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="'bogus'"):
+        MoELayer(cfg, backend="bogus")
+    with pytest.raises(TypeError, match="topology must be a name or a Topology"):
+        MoELayer(cfg, topology=None)
+    layer = MoELayer(cfg, backend="reference")
+    with pytest.raises(TypeError, match="gate_up_proj must be torch.float32"):
+        layer.load_expert_weights(torch.randn(4, 16, 16, dtype=torch.bfloat16),
+                                  torch.randn(4, 16, 8, dtype=torch.bfloat16))
+    layer.to(torch.bfloat16)
+    with pytest.raises(TypeError, match="config.dtype"):
+        layer(torch.randn(3, 16))
+
+
+def test_combine_rejects_another_dtype():
+    topo = LocalTopology(4, backend="reference")
+    x = torch.randn(3, 8)
+    res = topo.dispatch(x, torch.tensor([[0, 1]] * 3, dtype=torch.int32), torch.rand(3, 2))
+    with pytest.raises(TypeError, match="expert_x's dtype"):
+        topo.combine(res.expert_x.bfloat16(), res)
+
+
+def test_torch_compile_fp32_on_cpu():
+    """torch.compile's _grouped_mm lowering takes bf16 only: fp32 layers loop under compile."""
+    torch._dynamo.reset()
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=torch.float32)
+    layer = MoELayer(cfg, backend="reference")
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))

@@ -333,3 +333,38 @@ def test_dist_helper_reports_child_traceback_and_hang(pools):
     with pytest.raises(TimeoutError, match=r"ranks \[0\] did not answer within 1.0s"):
         run_distributed(w_hang, 1, timeout_s=1.0)
     assert time.monotonic() - t0 < 60
+
+
+def w_mismatched_rows(rank, world, topo_name, what):
+    """Rank 1 dispatches rows of another hidden size or dtype than rank 0."""
+    topo = make_topology(topo_name, E, backend="reference", timeout_s=10)
+    H = 16 if (what == "hidden" and rank == 1) else 8
+    dtype = torch.bfloat16 if (what == "dtype" and rank == 1) else torch.float32
+    x = torch.randn(3, H).to(dtype)
+    ids = torch.tensor([[0, 5]] * 3, dtype=torch.int32)
+    try:
+        topo.dispatch(x, ids, torch.rand(3, 2))
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("what", ["hidden", "dtype"])
+@pytest.mark.parametrize("topo_name", ["dp_nvlink", "dp_p2p"])
+def test_dp_ranks_with_different_rows_raise_instead_of_aborting(pools, topo_name, what):
+    """Before the check, gloo aborted the process (SIGABRT) on the row all-to-all."""
+    for rank, msg in enumerate(pools(2).run(w_mismatched_rows, topo_name, what, timeout_s=30)):
+        assert msg is not None and "same hidden size and dtype" in msg and f"rank {rank}" in msg, msg
+
+
+def test_make_topology_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_experts must be >= 1"):
+        make_topology("local", 0)
+    with pytest.raises(TypeError, match="num_experts must be an int"):
+        make_topology("local", "4")
+    with pytest.raises(TypeError, match="align must be an int"):
+        make_topology("local", 4, align=2.5)
+    with pytest.raises(ValueError, match="'bogus'"):
+        make_topology("local", 4, backend="bogus")
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        make_topology("local", 4, group="world")

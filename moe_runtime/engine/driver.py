@@ -172,6 +172,7 @@ class Engine:
 
     def _init_ray(self, ray, address: Optional[str], device: str, extra: dict) -> None:
         if address is not None:
+            _check_reachable(address, self.timeout_s)
             if not ray.is_initialized():
                 ray.init(address=address, **extra)
         elif not ray.is_initialized():
@@ -292,7 +293,7 @@ class Engine:
         """Generate a completion for every prompt.
 
         Args:
-            prompts: texts (tokenized with the checkpoint's tokenizer, no special tokens added
+            prompts: a list of texts (a single str is one prompt), tokenized with the checkpoint's tokenizer, no special tokens added
                 beyond what the tokenizer adds by default).
             params: SamplingParams.
             fail_at_step: testing aid, {rank: decode step}: that rank raises at that step.
@@ -302,8 +303,11 @@ class Engine:
 
         Raises:
             RankError: a rank failed (all actors are gone afterwards; the engine is unusable).
-            ValueError: an empty prompt, or prompt + max_new_tokens over max_position_embeddings.
+            ValueError: an empty prompt, a token id outside the vocabulary, or prompt +
+                max_new_tokens over max_position_embeddings.
         """
+        if isinstance(prompts, str):
+            prompts = [prompts]  # one prompt, as vLLM's LLM.generate takes it
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
         return self.generate_ids(ids, params, prompts=prompts, fail_at_step=fail_at_step)
 
@@ -315,6 +319,11 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt must have at least one token")
+        vocab = self.spec.vocab_size
+        bad = [(i, t) for i, p in enumerate(prompt_ids) for t in p if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in [0, vocab_size={vocab}); prompt {bad[0][0]} has "
+                             f"{bad[0][1]}")
         limit = self.spec.max_position_embeddings
         longest = max((len(p) for p in prompt_ids), default=0)
         if longest + params.max_new_tokens > limit:
@@ -388,3 +397,20 @@ def _cause(err: Exception) -> BaseException:
     """The rank's own exception inside a RayTaskError (else the Ray error itself)."""
     cause = getattr(err, "cause", None)
     return cause if isinstance(cause, BaseException) else err
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast on a Ray address nobody listens on (ray.init would retry it without end).
+
+    Raises:
+        ConnectionError: naming the address, when "host:port" refuses or times out a TCP connect.
+    """
+    import socket
+    if address == "auto" or address.startswith("ray://") or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)):
+            pass
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address!r}: {e}") from e

@@ -29,14 +29,20 @@ def _log_once(msg: str) -> None:
     log.warning(msg)
 
 
+def check_backend_name(backend: str) -> None:
+    """ValueError unless backend is "reference", "cute" or "auto" (construction-time check; the
+    device is checked per call by resolve_backend, as a layer may move to CUDA later)."""
+    if backend not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Pick the kernel backend: "reference", "cute", or "auto" (cute on CUDA when importable).
 
     Raises:
         ValueError: unknown backend name, or "cute" on a non-CUDA device / without CuTeDSL.
     """
-    if backend not in BACKENDS + ("auto",):
-        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
+    check_backend_name(backend)
     device = torch.device(device)
     if backend == "auto":
         if device.type == "cuda" and cute_available():

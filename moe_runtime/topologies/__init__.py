@@ -41,9 +41,15 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         ValueError: unknown name (the message lists the known ones), bad backend, experts not
             divisible by the world size, align < 1, or a multi-rank group for "local".
         BackendNotImplementedError (a ValueError): backend "cute" for a multi-rank topology.
+        TypeError: num_experts or align not an int, group not a ProcessGroup.
     """
     if name not in TOPOLOGIES:
         raise ValueError(f"unknown topology {name!r}; expected one of {sorted(TOPOLOGIES)}")
+    if group is not None:
+        import torch.distributed as dist
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(group).__name__}")
     if name == "local":
         if group is not None:
             import torch.distributed as dist

@@ -42,12 +42,18 @@ class Topology(abc.ABC):
         align: pad each local expert's row segment start to a multiple of this (>= 1).
 
     Raises:
-        ValueError: num_experts % world_size != 0, or align < 1.
+        TypeError: num_experts or align not an int.
+        ValueError: num_experts < 1, num_experts % world_size != 0, or align < 1.
     """
 
     name: str = "base"
 
     def __init__(self, num_experts: int, *, rank: int = 0, world_size: int = 1, align: int = 1):
+        for name, v in (("num_experts", num_experts), ("align", align)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if num_experts % world_size:
@@ -80,7 +86,8 @@ class Topology(abc.ABC):
         """Weighted sum over k back in token order: y [T, H] in expert_y.dtype.
 
         Raises:
-            ValueError: expert_y has fewer rows than dispatch produced, or another hidden size.
+            ValueError: expert_y has fewer rows than dispatch produced, another hidden size or
+                another device. TypeError: another dtype than expert_x.
         """
         ex = result.expert_x
         if expert_y.dim() != 2 or expert_y.shape[0] < ex.shape[0] or expert_y.shape[1] != ex.shape[1]:
@@ -88,6 +95,8 @@ class Topology(abc.ABC):
                              f"got {tuple(expert_y.shape)}")
         if expert_y.device != ex.device:
             raise ValueError(f"expert_y must be on {ex.device}, got {expert_y.device}")
+        if expert_y.dtype != ex.dtype:
+            raise TypeError(f"expert_y must have expert_x's dtype {ex.dtype}, got {expert_y.dtype}")
         return self._combine(expert_y.contiguous(), result)
 
     @abc.abstractmethod
@@ -103,7 +112,13 @@ class Topology(abc.ABC):
 
 def validate_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      num_experts: int, *, check_values: bool = True) -> None:
-    """Check the dispatch inputs at the Python boundary; raise with expected vs got."""
+    """Check the dispatch inputs at the Python boundary; raise with expected vs got.
+
+    Raises:
+        TypeError: a non-tensor, x not float32/bf16/fp16, topk_ids not int32, topk_weights not fp32.
+        ValueError: shapes ([T, H], [T, k], [T, k], 1 <= k <= num_experts), mixed devices; with
+            check_values, ids outside [0, num_experts) or repeated within a token (host read).
+    """
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

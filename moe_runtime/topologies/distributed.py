@@ -35,6 +35,10 @@ from .base import DispatchResult, Topology
 TOPOLOGY_BACKENDS = ("reference", "cute", "auto")
 
 
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
+
 class BackendNotImplementedError(NotImplementedError, ValueError):
     """The requested backend exists in the design but is not implemented for this topology yet."""
 
@@ -104,11 +108,22 @@ class DataParallelTopology(GroupTopology):
         flat = topk_ids.flatten().long()
         order = torch.sort(flat, stable=True).indices
         send_counts = torch.bincount(flat, minlength=self.num_experts)
-        recv_counts = torch.empty_like(send_counts)
-        all_to_all_single(recv_counts, send_counts, group=self.group,
+        # (hidden, dtype) ride along with the counts: rows of another size or dtype would make
+        # the row all-to-all abort the process inside gloo/NCCL instead of raising.
+        meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype]], device=x.device)
+        send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 2)], 1).flatten()
+        recv = torch.empty_like(send)
+        all_to_all_single(recv, send, group=self.group,
                           step=self._step("dispatch counts"), timeout_s=self.timeout_s)
+        recv = recv.view(W, E_local + 2)
+        peers_meta = recv[:, E_local:]
+        if bool((peers_meta != meta).any()):
+            raise ValueError(
+                f"{self.name} rank {self.rank}: every rank must dispatch rows of the same hidden "
+                f"size and dtype; this rank has (H={x.shape[1]}, {x.dtype}), ranks sent "
+                f"{[(int(h), _DTYPES[int(d)]) for h, d in peers_meta.tolist()]}")
         send_splits = send_counts.view(W, E_local).sum(1).tolist()
-        recv_counts = recv_counts.view(W, E_local)
+        recv_counts = recv[:, :E_local]
         recv_splits = recv_counts.sum(1).tolist()
         recv_rows = x.new_empty(sum(recv_splits), x.shape[1])
         all_to_all_single(recv_rows, x[order // k], output_split_sizes=recv_splits,

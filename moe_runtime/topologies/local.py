@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import get_ops, resolve_backend
+from ..kernels import check_backend_name, get_ops, resolve_backend
 from .base import DispatchResult, Topology
 
 
@@ -20,6 +20,7 @@ class LocalTopology(Topology):
 
     def __init__(self, num_experts: int, *, align: int = 1, backend: str = "auto"):
         super().__init__(num_experts, rank=0, world_size=1, align=align)
+        check_backend_name(backend)
         self.backend = backend
 
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
