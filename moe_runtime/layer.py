@@ -184,7 +184,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
         if hidden_states.dtype != c.dtype:
             raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
-        if self.router.weight.dtype != c.dtype or self.experts.gate_up_proj.dtype != c.dtype:
+        # (a DeepSeek-V3 router may keep its weight in fp32: HF's _keep_in_fp32_modules_strict)
+        if self.experts.gate_up_proj.dtype != c.dtype or (
+                not c.router_logits_fp32 and self.router.weight.dtype != c.dtype):
             raise TypeError(f"the layer's parameters are {self.experts.gate_up_proj.dtype} but its "
                             f"config.dtype is {c.dtype}: build it with MoEConfig(dtype=...) instead "
                             f"of casting it with .to(dtype)")

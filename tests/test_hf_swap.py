@@ -395,3 +395,26 @@ def test_greedy_generate_unchanged(family):
         ref = model.generate(ids, **kw)
         out = swap_moe_layers(model).generate(ids, **kw)
     assert ref.shape == (2, 11) and torch.equal(out, ref)
+
+
+def test_deepseek_router_weight_kept_in_fp32_in_a_bf16_model():
+    """HF keeps DeepseekV3's gate.weight in fp32 (_keep_in_fp32_modules_strict) when a checkpoint
+    is loaded in bf16; the swapped layer must accept that (its router computes in fp32)."""
+    torch.manual_seed(0)
+    cfg = tf.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48,
+                              moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                              num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                              q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=8)
+    model = tf.DeepseekV3ForCausalLM(cfg).eval().to(torch.bfloat16)
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            gate.weight.data = gate.weight.data.float()
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        swap_moe_layers(model, backend="reference")
+        out = model(ids).logits.float()
+    assert (out - ref).abs().max() / ref.abs().max() < 2e-2
