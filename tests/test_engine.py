@@ -257,3 +257,13 @@ def test_unreachable_ray_address_fails_fast(ckpt):
         port = s.getsockname()[1]
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
         Engine(ckpt, world_size=1, topology="local", ray_address=f"127.0.0.1:{port}", timeout_s=5)
+
+
+def test_indivisible_world_size_and_bad_timeout_fail_before_ray_starts(ckpt):
+    import ray
+    started = ray.is_initialized()
+    with pytest.raises(ValueError, match=r"num_experts \(8\) must be divisible by world_size \(3\)"):
+        Engine(ckpt, world_size=3, topology="dp_p2p")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        Engine(ckpt, world_size=1, topology="local", timeout_s=0)
+    assert ray.is_initialized() == started

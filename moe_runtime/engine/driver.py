@@ -123,6 +123,8 @@ class Engine:
                  progress: bool = True, ray_init_kwargs: Optional[dict] = None):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if topology not in TOPOLOGY_CHOICES:
@@ -143,6 +145,9 @@ class Engine:
 
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
+        if self.spec.moe.num_experts % world_size:
+            raise ValueError(f"num_experts ({self.spec.moe.num_experts}) must be divisible by "
+                             f"world_size ({world_size}): experts are split evenly across ranks")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         try:
             self._start_ray(ray_address, device, ray_init_kwargs or {})
