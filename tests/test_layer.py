@@ -257,3 +257,15 @@ def test_torch_compile_fp32_on_cpu():
     layer = MoELayer(cfg, backend="reference")
     x = torch.randn(3, 16)
     torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))
+
+
+def test_expert_gemv_reference_equals_experts_forward():
+    """kernels/reference.expert_gemv (the GEMV kernel's semantics) == Experts in fp32."""
+    torch.manual_seed(3)
+    ex = Experts(4, 24, 8, dtype=torch.float32, use_grouped_mm=False)
+    offsets = torch.tensor([0, 3, 3, 7, 8], dtype=torch.int32)  # expert 1 empty
+    x = torch.randn(10, 24)                                       # rows 8, 9 past the last expert
+    act = R.expert_gemv(x, offsets, ex.gate_up_proj, swiglu=True)
+    y = R.expert_gemv(act, offsets, ex.down_proj, swiglu=False)
+    torch.testing.assert_close(y[:8], ex(x, offsets)[:8], rtol=1e-5, atol=1e-5)
+    assert act.shape == (10, 8) and bool((y[8:] == 0).all())

@@ -152,3 +152,33 @@ def combine(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weights: torc
         w = torch.where(valid, topk_weights[:, j].float(), torch.zeros_like(topk_weights[:, j]))
         y += w.unsqueeze(1) * torch.where(valid.unsqueeze(1), rows, torch.zeros_like(rows))
     return y.to(expert_y.dtype)
+
+
+def expert_gemv(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor, *,
+                swiglu: bool) -> torch.Tensor:
+    """Per-row expert matrix-vector product over expert-major rows (kernels/expert_gemv.py).
+
+    Args:
+        x: [N, K]; row r belongs to expert e with expert_offsets[e] <= r < expert_offsets[e+1].
+        expert_offsets: int32 [E + 1].
+        weight: [E, M, K] (HF layout, out-features first).
+        swiglu: weight rows are [gate; up]: out = silu(W_gate x) * (W_up x), [N, M/2];
+            otherwise out = W x, [N, M].
+
+    Returns:
+        out in x.dtype, computed in fp32 (float64 for float64 inputs) and rounded once; rows
+        >= expert_offsets[E] are zero here and unspecified in the kernel.
+    """
+    E, M, K = weight.shape
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros(x.shape[0], M // 2 if swiglu else M, dtype=x.dtype, device=x.device)
+    bounds = expert_offsets.tolist()
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            h = x[lo:hi].to(acc) @ weight[e].to(acc).T
+            if swiglu:
+                gate, up = h.chunk(2, dim=-1)
+                h = torch.nn.functional.silu(gate) * up
+            out[lo:hi] = h.to(x.dtype)
+    return out

@@ -1,4 +1,4 @@
-"""Decode expert GEMV (kernels/expert_gemv.py) against a float64 reference on the GPU."""
+"""Decode expert GEMV (kernels/expert_gemv.py) against kernels/reference.py (float64) on the GPU."""
 import pytest
 import torch
 
@@ -6,6 +6,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from moe_runtime.experts import GEMV_MAX_ROWS, Experts  # noqa: E402
+from moe_runtime.kernels import reference  # noqa: E402
 
 
 def _ops():
@@ -19,18 +20,9 @@ def _offsets(counts, align=1):
 
 
 def _reference(x, offsets, w, swiglu):
-    """float64 per-row W[e] @ x[r] (SwiGLU on [gate; up]) for rows < offsets[-1]."""
-    off = offsets.tolist()
-    n_used = off[-1]
-    out = []
-    for r in range(n_used):
-        e = max(i for i in range(len(off) - 1) if off[i] <= r)
-        h = w[e].double() @ x[r].double()
-        if swiglu:
-            g, u = h.chunk(2)
-            h = torch.nn.functional.silu(g) * u
-        out.append(h)
-    return torch.stack(out) if out else torch.zeros(0, w.shape[1] // (2 if swiglu else 1))
+    """kernels/reference.py in float64, rows < offsets[-1]."""
+    n_used = int(offsets[-1])
+    return reference.expert_gemv(x.double(), offsets, w.double(), swiglu=swiglu)[:n_used]
 
 
 CASES = [  # (H, I, E, counts per expert, align)
