@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import get_ops, resolve_backend
+from .kernels.grouped_gemm import grouped_gemm, quack_supported, swiglu_grouped_gemm
 
 # When Experts uses the CuTeDSL expert GEMV instead of the grouped GEMM on CUDA: each row re-reads
 # its expert's weights, so it wins while rows are few and mostly on distinct experts. Measured by
@@ -90,8 +91,8 @@ class Experts(nn.Module):
         num_local_experts, hidden_size, intermediate_size: E_local, H, I.
         gate_up_proj, down_proj: existing tensors to wrap without copying (optional).
         use_grouped_mm: None = probe the device/dtype; False forces the per-expert loop.
-        backend: kernel backend of the decode GEMV ("auto": CuTeDSL on CUDA when importable;
-            "reference": never).
+        backend: kernel backend of the decode GEMV and the quack grouped GEMM ("auto": CuTeDSL
+            on CUDA when importable; "reference": never, torch._grouped_mm instead).
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *,
@@ -133,27 +134,41 @@ class Experts(nn.Module):
                 and x.dtype in (torch.bfloat16, torch.float16) and self.use_grouped_mm is not False
                 and self._rows_16b_aligned(x.dtype) and resolve_backend(self.backend, x.device) == "cute")
 
+    def _quack(self, x: torch.Tensor) -> bool:
+        """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused
+        into the gate/up epilogue (kernels/grouped_gemm.py)."""
+        return (x.device.type == "cuda" and self.use_grouped_mm is not False
+                and self._rows_16b_aligned(x.dtype) and quack_supported(x.device.index, x.dtype)
+                and resolve_backend(self.backend, x.device) == "cute")
+
     def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
         """expert_x [N, H] expert-major, expert_offsets int32 [E_local+1] -> [N, H].
 
-        Path: the CuTeDSL expert GEMV (fused SwiGLU) for N <= GEMV_MAX_ROWS on CUDA, else
-        torch._grouped_mm with the device offsets, else a per-expert loop (`_grouped`).
+        Path, first that applies: the CuTeDSL expert GEMV (fused SwiGLU) for N <= GEMV_MAX_ROWS
+        on CUDA (`_gemv`); quack's varlen grouped GEMM with fused SwiGLU on sm_90/sm_100
+        (`_quack`); torch._grouped_mm with the device offsets; a per-expert loop (`_grouped`).
         """
         if self._gemv(expert_x):
             ops = get_ops("cute")
             act = ops.expert_gemv(expert_x, expert_offsets, self.gate_up_proj, swiglu=True)
             return ops.expert_gemv(act, expert_offsets, self.down_proj, swiglu=False)
+        if self._quack(expert_x):
+            act = swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj)
+            return grouped_gemm(act, expert_offsets, self.down_proj)
         grouped = self._grouped(expert_x.device, expert_x.dtype)
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)
 
     def host_sync_free(self, device, dtype: torch.dtype) -> bool:
-        """Whether forward on `device` with `dtype` rows never waits for the host (the grouped
-        path with device offsets, see `grouped_mm_host_sync_free`; the per-expert loop reads the
-        offsets on the host)."""
+        """Whether forward on `device` with `dtype` rows never waits for the host: the quack path,
+        or the torch grouped path with device offsets (see `grouped_mm_host_sync_free`); the
+        per-expert loop reads the offsets on the host."""
         device = torch.device(device)
         if device.type == "cpu":
+            return True
+        probe = torch.empty(0, self.gate_up_proj.shape[-1], dtype=dtype, device=device)
+        if self._quack(probe):
             return True
         return self._grouped(device, dtype) and grouped_mm_host_sync_free(device, dtype)
 

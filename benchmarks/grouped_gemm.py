@@ -1,0 +1,115 @@
+"""Prefill experts: quack's varlen grouped GEMM with fused SwiGLU vs torch._grouped_mm + SwiGLU.
+
+For each shape and T: T random tokens routed to k experts each are dispatched into expert-major
+rows; both paths run gate_up -> SwiGLU -> down (`Experts.forward` with backend "auto" = quack, and
+backend "reference" = torch._grouped_mm, silu(gate) * up, torch._grouped_mm). Times are CUDA
+events over back-to-back calls. Floors, measured in the same run: FLOPs (2 * rows * 3 * H * I) at
+the bf16 rate of an 8192^3 torch.mm, and the expert weights read once at the device copy
+bandwidth. `--sweep` also times quack tile configurations (the sweep behind
+kernels/grouped_gemm.py's choice). Prints a table, writes JSON (--out); never asserts a time.
+
+Usage: python benchmarks/grouped_gemm.py [--sweep] [--tokens 256,4096] [--out bench_out/grouped_gemm.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+from moe_runtime.experts import Experts
+from moe_runtime.kernels import cute_ops
+from moe_runtime.kernels.grouped_gemm import quack_supported
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from local_dispatch_combine import copy_bandwidth  # noqa: E402
+from moe_layer import matmul_flops, timed_us  # noqa: E402
+
+SHAPES = {  # name: (H, I, E, k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral": (4096, 14336, 8, 2),
+}
+TOKENS = (256, 1024, 4096, 16384)
+# (tile_m, tile_n, pingpong, cluster_m, cluster_n) tried by --sweep, static and dynamic scheduler
+SWEEP = ((128, 192, True, 1, 2), (128, 192, True, 2, 1), (128, 128, True, 1, 2),
+         (256, 128, False, 1, 2), (128, 256, False, 2, 1), (64, 256, True, 1, 1))
+
+
+def sweep_configs(ex, off, fast: Experts) -> dict:
+    """µs of gate_up+SwiGLU and down for each quack configuration in SWEEP."""
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_act
+    cap = torch.cuda.get_device_capability()[0]
+    out = {}
+    for m, n, pp, cm, cn in SWEEP:
+        for dyn in (False, True):
+            cfg = GemmConfig(tile_m=m, tile_n=n, pingpong=pp, cluster_m=cm, cluster_n=cn,
+                             is_dynamic_persistent=False, device_capacity=cap)
+            kw = dict(cu_seqlens_m=off, store_preact=False, tuned=False, config=cfg,
+                      dynamic_scheduler=dyn)
+            act = gemm_act(ex, fast.gate_up_proj.transpose(-2, -1), activation="swiglu",
+                           concat_layout=("B",), **kw)[1]
+            us = timed_us(lambda x: (gemm_act(x, fast.gate_up_proj.transpose(-2, -1),
+                                              activation="swiglu", concat_layout=("B",), **kw),
+                                     gemm_act(act, fast.down_proj.transpose(-2, -1),
+                                              activation=None, **kw)), [ex])
+            out[f"{m}x{n}{'pp' if pp else 'coop'}_c{cm}x{cn}{'_dyn' if dyn else ''}"] = us
+    return out
+
+
+def measure(name: str, T: int, bw: float, flops: float, sweep: bool) -> dict:
+    H, I, E, k = SHAPES[name]
+    torch.manual_seed(T)
+    fast = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
+    ref = Experts(E, H, I, gate_up_proj=fast.gate_up_proj, down_proj=fast.down_proj,
+                  backend="reference")
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
+    ex, off, _ = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
+    rows = T * k
+    a, b = fast(ex, off)[:rows].double(), ref(ex, off)[:rows].double()
+    res = {"shape": name, "T": T, "rows": rows, "quack_path": fast._quack(ex),
+           "quack_us": timed_us(lambda y: fast(y, off), [ex]),
+           "torch_us": timed_us(lambda y: ref(y, off), [ex]),
+           "flops_floor_us": 2 * rows * 3 * H * I / flops * 1e6,
+           "bytes_floor_us": int((off[1:] > off[:-1]).sum()) * 3 * H * I * 2 / bw * 1e6,
+           "rel_diff": float((a - b).abs().max() / b.abs().max())}
+    if sweep:
+        res["sweep_us"] = sweep_configs(ex, off, fast)
+    return res
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--out", default="bench_out/grouped_gemm.json")
+    a = p.parse_args(argv)
+    if not quack_supported(torch.cuda.current_device(), torch.bfloat16):
+        sys.exit("needs quack-kernels (pip install 'moe_runtime[gpu]') on an sm_90/sm_100 GPU")
+    bw = copy_bandwidth()["best"]  # bytes/s, read + write counted
+    flops = matmul_flops()
+    rows = [measure(s, T, bw, flops, a.sweep) for s in a.shapes.split(",")
+            for T in map(int, a.tokens.split(","))]
+    path = pathlib.Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12,
+                                "matmul_TFLOPs": flops / 1e12, "rows": rows}, indent=1))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 mm {flops / 1e12:.0f} TFLOP/s")
+    print(f"{'shape':15s} {'T':>6s} {'quack µs':>9s} {'torch µs':>9s} {'speedup':>8s} "
+          f"{'flops fl.':>9s} {'bytes fl.':>9s} {'vs floor':>8s} {'diff':>8s}")
+    for r in rows:
+        floor = max(r["flops_floor_us"], r["bytes_floor_us"])
+        print(f"{r['shape']:15s} {r['T']:6d} {r['quack_us']:9.1f} {r['torch_us']:9.1f} "
+              f"{r['torch_us'] / r['quack_us']:7.2f}x {r['flops_floor_us']:9.1f} "
+              f"{r['bytes_floor_us']:9.1f} {r['quack_us'] / floor:7.2f}x {r['rel_diff']:8.1e}")
+        for cfg, us in r.get("sweep_us", {}).items():
+            print(f"    {cfg:28s} {us:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
