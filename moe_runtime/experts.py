@@ -136,8 +136,10 @@ class Experts(nn.Module):
 
     def _quack(self, x: torch.Tensor) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused
-        into the gate/up epilogue (kernels/grouped_gemm.py)."""
+        into the gate/up epilogue (kernels/grouped_gemm.py). Not under torch.compile: quack
+        traces only its autotuned variant there, so compiled graphs keep torch._grouped_mm."""
         return (x.device.type == "cuda" and self.use_grouped_mm is not False
+                and not torch.compiler.is_compiling()
                 and self._rows_16b_aligned(x.dtype) and quack_supported(x.device.index, x.dtype)
                 and resolve_backend(self.backend, x.device) == "cute")
 
