@@ -9,10 +9,13 @@ index tensors), the ratio to the device copy bandwidth measured in the same run 
 graph-replayed torch copy_ and an elementwise kernel on 256 MiB and 1 GiB), the speedup over the torch reference (eager; it syncs the host), and the
 targets: T >= 4096 -> >= 90% of copy bandwidth; T <= 128 -> <= 1.2 x (graph-replayed empty
 CuTeDSL kernel + the bytes at copy bandwidth).
-Switch point: decode vs prefill timed over a finer T sweep per shape; the per-shape crossing, in
-bytes of expert rows moved (T*k*H*2), and the single threshold with the least total slowdown
-over all sweep points are printed and stored under "crossing_bytes" / "switch_point".
+Switch point: decode vs prefill timed over a finer T sweep per shape (dispatch decode only where
+T*k <= cute_ops.DISPATCH_DECODE_MAX_ITEMS, its item cap); the per-shape crossing, in bytes of
+expert rows moved (T*k*H*2), and the single threshold with the least total slowdown over all
+sweep points are printed and stored under "crossing_bytes" / "switch_point".
 Never asserts a time. Usage: python benchmarks/local_dispatch_combine.py --out bench_out/x.json
+(--shapes / --tokens / --sweep-tokens restrict the run, e.g. to the decode rows:
+--tokens 1,8,64,128 --sweep-tokens 1,8,32,64,128,256).
 """
 from __future__ import annotations
 
@@ -123,8 +126,8 @@ def combine_bytes(T, H, k):
 
 
 def modes_for(T, k):
-    fits = T * k <= torch.cuda.get_device_properties(0).multi_processor_count * 256
-    return ("decode", "prefill") if fits else ("prefill",)
+    """Dispatch modes that take T tokens of k picks (decode has an item cap)."""
+    return ("decode", "prefill") if T * k <= cute_ops.DISPATCH_DECODE_MAX_ITEMS else ("prefill",)
 
 
 def measure(name, H, E, k, T, bw, empty):
@@ -155,10 +158,10 @@ def measure(name, H, E, k, T, bw, empty):
     return rows
 
 
-def sweep(name, H, E, k):
-    """decode vs prefill µs over SWEEP for dispatch and combine; crossing in bytes moved."""
+def sweep(name, H, E, k, tokens=SWEEP):
+    """decode vs prefill µs over `tokens` for dispatch and combine; crossing in bytes moved."""
     pts, cross = [], {}
-    for T in SWEEP:
+    for T in tokens:
         x, ids, w = problem(T, H, E, k)
         ex, _, slot = cute_ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E,
                                                 mode="prefill")
@@ -170,8 +173,9 @@ def sweep(name, H, E, k):
             pt[f"combine_{mode}"] = graph_us(lambda: cute_ops.combine_in_mode(ex, slot, w, mode=mode))
         pts.append(pt)
     for op in ("dispatch", "combine"):
-        faster = [p["moved"] for p in pts if p.get(f"{op}_decode", float("inf")) <= p[f"{op}_prefill"]]
-        slower = [p["moved"] for p in pts if p.get(f"{op}_decode", float("inf")) > p[f"{op}_prefill"]]
+        both = [p for p in pts if f"{op}_decode" in p]  # decode above its item cap: no point
+        faster = [p["moved"] for p in both if p[f"{op}_decode"] <= p[f"{op}_prefill"]]
+        slower = [p["moved"] for p in both if p[f"{op}_decode"] > p[f"{op}_prefill"]]
         # largest size where decode still wins, below the first size where it loses
         first_loss = min(slower, default=float("inf"))
         cross[op] = max([m for m in faster if m < first_loss], default=0)
@@ -207,14 +211,15 @@ def tune(name, H, E, k):
 
 def best_threshold(sweeps: dict, op: str) -> int:
     """The decode-if-moved<=threshold rule with the least total slowdown over every sweep point
-    of every shape (sum of chosen time / best time), candidates = the measured sizes."""
+    of every shape (sum of chosen time / best time), candidates = the measured sizes. Points
+    where decode does not apply (dispatch above its item cap) run prefill whatever the rule."""
     pts = [p for ps in sweeps.values() for p in ps]
 
     def cost(th):
         total = 0.0
         for p in pts:
             dec = p.get(f"{op}_decode", float("inf"))
-            chosen = dec if p["moved"] <= th else p[f"{op}_prefill"]
+            chosen = dec if p["moved"] <= th and f"{op}_decode" in p else p[f"{op}_prefill"]
             total += chosen / min(dec, p[f"{op}_prefill"])
         return total
     return min(sorted({0} | {p["moved"] for p in pts}), key=cost)
@@ -225,7 +230,15 @@ def main():
     ap.add_argument("--out", default="bench_out/local_dispatch_combine.json")
     ap.add_argument("--no-sweep", action="store_true", help="skip the decode/prefill sweep")
     ap.add_argument("--tune", action="store_true", help="also time other launch shapes")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of "
+                    + ", ".join(SHAPES))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="T of the table rows")
+    ap.add_argument("--sweep-tokens", default=",".join(map(str, SWEEP)),
+                    help="T of the decode/prefill sweep")
     args = ap.parse_args()
+    shapes = {n: SHAPES[n] for n in args.shapes.split(",")}
+    tokens = [int(t) for t in args.tokens.split(",")]
+    sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
     t0 = time.time()
     dev = torch.cuda.get_device_properties(0)
     copies = copy_bandwidth()
@@ -235,11 +248,11 @@ def main():
           f"[{', '.join(f'{k} {v / 1e12:.2f}' for k, v in copies.items() if k != 'best')}], "
           f"graph-replayed empty CuTeDSL kernel {empty:.2f} us")
     rows, sweeps, cross, tuned = [], {}, {}, []
-    for name, (H, E, k) in SHAPES.items():
-        for T in TOKENS:
+    for name, (H, E, k) in shapes.items():
+        for T in tokens:
             rows += measure(name, H, E, k, T, bw, empty)
         if not args.no_sweep:
-            sweeps[name], cross[name] = sweep(name, H, E, k)
+            sweeps[name], cross[name] = sweep(name, H, E, k, sweep_tokens)
         if args.tune:
             tuned += tune(name, H, E, k)
     switch = {op: best_threshold(sweeps, op) for op in ("dispatch", "combine")} if cross else {}
@@ -249,12 +262,19 @@ def main():
                   switch_point=dict(
                       measured_bytes=switch,
                       in_code=dict(dispatch=cute_ops.DISPATCH_DECODE_MAX_BYTES,
+                                   dispatch_items=cute_ops.DISPATCH_DECODE_MAX_ITEMS,
                                    combine=cute_ops.COMBINE_DECODE_MAX_BYTES)),
                   tune=tuned, seconds=time.time() - t0)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if cross:
+        print("decode/prefill sweep, µs (dispatch decode | prefill, combine decode | prefill):")
+        for name, pts in sweeps.items():
+            for p in pts:
+                print(f"  {name:14s} T={p['T']:5d} dispatch {p.get('dispatch_decode', float('nan')):8.2f} "
+                      f"{p['dispatch_prefill']:8.2f}  combine {p['combine_decode']:8.2f} "
+                      f"{p['combine_prefill']:8.2f}")
         print("decode/prefill crossing (bytes of expert rows moved, T*k*H*2):")
         for name, c in cross.items():
             print(f"  {name:14s} dispatch <= {c['dispatch']:>10d}  combine <= {c['combine']:>10d}")

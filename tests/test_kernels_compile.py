@@ -3,7 +3,7 @@ and the PTX holds the instructions the design relies on.
 
 Grid (issue 4): dtype {bf16, fp16, fp32} x hidden {128, 576, 2048, 2880, 4096, 7168} x
 (E, k) {(8,2), (64,6), (128,8), (256,8), (384,8)} x mode {decode, prefill} for dispatch and
-combine, plus the routing kernel (softmax, and sigmoid + bias + groups) for each (E, k), plus the
+combine (decode dispatch: the barrier-free kernel, MAX_ITEMS = the item cap), plus the routing kernel (softmax, and sigmoid + bias + groups) for each (E, k), plus the
 grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at the Qwen3-30B-A3B,
 DeepSeek-V3 and Mixtral expert shapes for the 16-bit dtypes. Compiles run in a process pool of min(2, CPUs) workers, one task per
 (arch, dtype) (about 2.5 minutes on 2 cores).
@@ -45,9 +45,8 @@ MODES = ("decode", "prefill")
 V4_LD = r"ld\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
 V4_ST = r"st\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
 FACTS = {
-    "dispatch_decode": [V4_LD, V4_ST, r"atom\.shared\.add", r"atom\.global(\.release)?(\.gpu)?\.add",
-                        r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32",
-                        r"fence\.acq_rel\.gpu", r"%globaltimer", r"st\.relaxed\.sys\.global\.b32"],
+    "dispatch_decode": [V4_LD, V4_ST, r"vote\.sync\.ballot\.b32", r"popc\.b32", r"bar\.warp\.sync",
+                        r"bar\.sync"],
     "dispatch_slots": [r"atom\.shared\.add", r"atom\.global(\.acq_rel)?(\.gpu)?\.add",
                        r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"ld\.relaxed\.gpu\.global"],
     "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx"],
@@ -58,6 +57,10 @@ FACTS = {
                       r"%globaltimer"],
 }
 FORBID = [r"__local_depot"]  # a register fragment spilled to local memory (CUTEDSL.md P8)
+# per kind: the barrier-free decode dispatch has no global atomics, no acquire/release spin
+# and no cross-block wait
+FORBID_KIND = {"dispatch_decode": [r"atom\.global", r"red\.global", r"ld\.acquire",
+                                   r"%globaltimer", r"fence\.acq_rel"]}
 
 
 def _route_specs():
@@ -69,6 +72,8 @@ def _route_specs():
             out.append(("route", (dtype, E, k, True, True, n_group, n_group // 2, True)))
     return out
 
+
+DECODE_MAX_E = 1024  # cute_ops.MAX_EXPERTS: the decode dispatch keeps [warps, E] counts in smem
 
 # (H, I, E) of the expert GEMV: Qwen3-30B-A3B, DeepSeek-V3, Mixtral, and an odd small shape
 GEMV_SHAPES = ((2048, 768, 128), (7168, 2048, 256), (4096, 14336, 8), (576, 72, 8))
@@ -88,6 +93,7 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
         for H, I, E in GEMV_SHAPES:
             out += [("expert_gemv", (dtype, H, 2 * I, E, True)), ("expert_gemv", (dtype, I, H, E, False))]
     if dtype == "bfloat16":
+        out += [("dispatch_decode", (dtype, 2048, DECODE_MAX_E, 8))]  # largest shared memory
         out += [("dispatch_slots", (E, k)) for E, k in EK]
         out += _route_specs() + [("barrier_probe", ())]
     return out
@@ -131,7 +137,7 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
 def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
     need = FACTS[kind]
     missing = [p for p in need if not re.search(p, ptx)]
-    present = [p for p in FORBID if re.search(p, ptx)]
+    present = [p for p in FORBID + FORBID_KIND.get(kind, []) if re.search(p, ptx)]
     if missing or present:
         return f"PTX missing {missing} / forbidden present {present}"
     return None
@@ -213,7 +219,7 @@ def test_spec_grid_covers_the_issue_grid():
     cpy = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "dispatch_copy"}
     comb = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "combine"}
     n = len(ARCHS) * len(DTYPES) * len(HIDDEN) * len(EK)
-    assert len(dec) == len(cpy) == n
+    assert len(dec) == n + len(ARCHS) and len(cpy) == n  # + the E = 1024 decode config
     assert len(comb) == len(ARCHS) * len(DTYPES) * len(HIDDEN) * 3 * len(MODES)
     routes = [g for k, g in specs_for("sm_90a", "bfloat16") if k == "route"]
     assert {(g[1], g[2], g[3]) for g in routes} == {(E, k, s) for E, k in EK for s in (False, True)}
@@ -226,6 +232,9 @@ def test_ptx_checker_rejects_scalar_copies():
     vector = "ld.global.v4.b32 {%r1,%r2,%r3,%r4}, [%rd1];\nst.global.v4.b32 [%rd2], {...};\nshfl.sync.idx.b32"
     assert _ptx_problems("dispatch_copy", (), vector) is None
     assert _ptx_problems("dispatch_copy", (), vector + "\n.local .align 4 .b8 __local_depot0[16];")
+    decode = vector + "\nvote.sync.ballot.b32 %r1, %p2, -1;\npopc.b32 %r3, %r1;\nbar.warp.sync -1;\nbar.sync 0;"
+    assert _ptx_problems("dispatch_decode", (), decode) is None
+    assert "forbidden" in _ptx_problems("dispatch_decode", (), decode + "\natom.global.add.u32 %r4, [%rd1], 1;")
 
 
 def test_hidden_policy_rejects_rows_that_are_not_16_byte_multiples():

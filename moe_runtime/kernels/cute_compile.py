@@ -8,7 +8,9 @@ CPU CI passes "sm_90a" / "sm_100a". The compiled functions take torch tensors di
 extents, 16-byte alignment and the shared token dimension at call time.
 
 Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row segment):
-    dispatch decode   one cooperative launch, DISPATCH_DECODE_WARPS, V = DISPATCH_DECODE_V
+    dispatch decode   one launch, no grid barrier (T * k <= DISPATCH_DECODE_MAX_ITEMS),
+                      DISPATCH_DECODE_WARPS, V = DISPATCH_DECODE_V, grid <= a few blocks
+                      per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
     combine           combine_shape(mode)
@@ -26,7 +28,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from ..sync import grid_barrier as _gb
-from ..sync.host import SITE_BARRIER_PROBE, SITE_DISPATCH_DECODE_BARRIER
+from ..sync.host import SITE_BARRIER_PROBE
 from . import combine as _combine
 from . import dispatch_copy as _dcopy
 from . import dispatch_decode as _ddec
@@ -39,7 +41,10 @@ MODES = ("decode", "prefill")
 
 ROUTE_WARPS = 4
 DISPATCH_DECODE_WARPS = 8
-DISPATCH_DECODE_V = 4
+DISPATCH_DECODE_V = 1
+# every block of the decode dispatch reads all T * k ids and keeps a slot per item in shared
+# memory: T * k is capped (a multiple of the block's threads); above it dispatch runs "prefill"
+DISPATCH_DECODE_MAX_ITEMS = 2048
 DISPATCH_SLOTS_WARPS = 8
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
@@ -89,14 +94,12 @@ def route_fn(dtype: str, E: int, K: int, sigmoid: bool, has_bias: bool, n_group:
 
 @functools.lru_cache(maxsize=None)
 def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None):
-    """fn(x, ids, out, offsets, slot, ws, expert_start, align, ipb, grid, err_addr, max_iters,
-    timeout_ns)."""
+    """fn(x, ids, out, offsets, slot, expert_start, align, max_grid); T * K <= the item cap."""
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _ddec.dispatch_decode, _rows(dt, H, T), _rows(Int32, K, T), _rows(dt, H),
-        _vec(Int32, E + 1), _rows(Int32, K, T), _vec(Int32, _ddec.workspace_words(E)),
-        Int32(0), Int32(1), Int32(1), Int32(1), Int64(0), Int32(1), Int64(1), _stream(),
-        H, E, K, DISPATCH_DECODE_WARPS, DISPATCH_DECODE_V, SITE_DISPATCH_DECODE_BARRIER,
+        _vec(Int32, E + 1), _rows(Int32, K, T), Int32(0), Int32(1), Int32(1), _stream(),
+        H, E, K, DISPATCH_DECODE_WARPS, DISPATCH_DECODE_V, DISPATCH_DECODE_MAX_ITEMS,
         options=_options(arch))
 
 

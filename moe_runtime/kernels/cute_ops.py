@@ -14,14 +14,16 @@ Hidden-size policy: rows move as 16-byte vectors, so `hidden * element_size` mus
 multiple of 16 (hidden % 8 == 0 for bf16/fp16, % 4 for fp32; true for every released MoE
 model). Other sizes raise ValueError here rather than taking a slow scalar path.
 
-Mode (dispatch, combine): "decode" (dispatch: one cooperative launch with a grid barrier) for
-small problems, "prefill" (dispatch: slots launch + copy launch) for large ones, picked from
+Mode (dispatch, combine): "decode" for small problems, "prefill" for large ones, picked from
 T * k * hidden * element_size against thresholds measured by benchmarks/local_dispatch_combine.py
-(`select_dispatch_mode`, `select_combine_mode`).
+(`select_dispatch_mode`, `select_combine_mode`). Dispatch decode is one barrier-free launch in
+which every block derives the whole layout from the ids (kernels/dispatch_decode.py), so it
+also needs T * k <= DISPATCH_DECODE_MAX_ITEMS; its layout is deterministic (token-major inside
+each expert, as reference.dispatch). Prefill is a slots launch + a copy launch.
 
-Device errors (a grid barrier that timed out) are recorded in mapped host memory and raised as
-moe_runtime.sync.DeviceSyncError at the start of a later call, or by `check_errors()`
-(see moe_runtime/sync/host.py).
+Device errors (a bounded device-side wait that gave up, e.g. the grid-barrier test probe) are
+recorded in mapped host memory and raised as moe_runtime.sync.DeviceSyncError at the start of a
+later call, or by `check_errors()` (see moe_runtime/sync/host.py).
 """
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ import torch
 
 from ..sync.host import check_errors, error_flags, raise_pending, workspace
 from . import cute_compile as cc
-from . import dispatch_decode as _ddec
 from . import dispatch_slots as _dslots
 from . import route_topk as _route
 from .reference import dispatch_capacity
@@ -43,16 +44,19 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 # Mode switch points in bytes of expert rows moved (T * k * hidden * element_size): the single
 # threshold with the least total slowdown over the decode-vs-prefill sweep of
-# benchmarks/local_dispatch_combine.py on an H200 (Qwen3-30B-A3B, DeepSeek-V3, Mixtral shapes,
-# T = 1..4096). Dispatch: per-shape crossings 8 MiB (Qwen3, Mixtral) .. 28 MiB (DeepSeek-V3);
-# the fit gave 14 MiB and 28 MiB in two runs (decode and prefill are within a few % between).
+# benchmarks/local_dispatch_combine.py on an H200 (Qwen3-30B-A3B, DeepSeek-V3, Mixtral shapes).
+# Dispatch (barrier-free decode, T = 1..1024): decode was faster at every point under its item
+# cap (1.07-1.9x at T <= 128, 1.09-1.24x at the cap), so the bound is the largest size measured
+# there, 28 MiB (DeepSeek-V3, T = 256, where it meets the item cap; the cap binds first for the
+# narrower rows of Qwen3 and Mixtral).
 # Combine: both shapes use V = 1 and measured equal at large sizes, decode faster below.
-DISPATCH_DECODE_MAX_BYTES = 14 << 20
+DISPATCH_DECODE_MAX_BYTES = 28 << 20
 COMBINE_DECODE_MAX_BYTES = 448 << 20
-
-# Grid-barrier spin bounds of the decode dispatch: polls and nanoseconds (either ends the wait).
-BARRIER_MAX_POLLS = 1 << 22
-BARRIER_TIMEOUT_NS = 1_000_000_000
+# (t, j) items one decode dispatch takes (every block reads all of them)
+DISPATCH_DECODE_MAX_ITEMS = cc.DISPATCH_DECODE_MAX_ITEMS
+# decode dispatch grid: at most this many blocks per SM (one (token, segment) unit per warp
+# below that; above it warps loop over units)
+DISPATCH_DECODE_BLOCKS_PER_SM = 4
 
 MAX_TOP_K = 32
 MAX_EXPERTS = 1024
@@ -177,13 +181,11 @@ def _zeros_f32(index: int, n: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- dispatch
-def select_dispatch_mode(num_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
-                         device: torch.device | None = None) -> str:
-    """"decode" when T*k*hidden*element_size <= DISPATCH_DECODE_MAX_BYTES and the (t, j) items
-    fit one co-resident grid (T*k <= SMs * threads per block), else "prefill"."""
-    index = torch.cuda.current_device() if device is None else torch.device(device).index
+def select_dispatch_mode(num_tokens: int, top_k: int, hidden: int, dtype: torch.dtype) -> str:
+    """"decode" when T*k <= DISPATCH_DECODE_MAX_ITEMS and T*k*hidden*element_size <=
+    DISPATCH_DECODE_MAX_BYTES, else "prefill"."""
     moved = num_tokens * top_k * hidden * dtype.itemsize
-    fits = num_tokens * top_k <= _sm_count(index) * cc.DISPATCH_DECODE_WARPS * 32
+    fits = num_tokens * top_k <= DISPATCH_DECODE_MAX_ITEMS
     return "decode" if moved <= DISPATCH_DECODE_MAX_BYTES and fits else "prefill"
 
 
@@ -201,15 +203,16 @@ def dispatch(
     of 16 bytes), topk_ids int32 [T, k] -> expert_x [dispatch_capacity(T, k, E_local, align), H]
     (rows past expert_offsets[-1] and padding rows unspecified), expert_offsets int32
     [E_local + 1], token_slot int32 [T, k] (-1 = expert not local). Within an expert the row
-    order is unspecified. The mode comes from `select_dispatch_mode`.
+    order is unspecified (decode: token-major, as the reference). The mode comes from
+    `select_dispatch_mode`.
 
     Raises:
         TypeError / ValueError: invalid inputs (see `_check`, the hidden-size policy, top_k <= 32,
         1 <= num_local_experts <= 1024, align >= 1, expert_start >= 0).
-        moe_runtime.sync.DeviceSyncError: an earlier decode launch's grid barrier timed out.
+        moe_runtime.sync.DeviceSyncError: an earlier launch recorded a device error.
     """
     T, k = _check_dispatch(x, topk_ids, expert_start, num_local_experts, align)
-    mode = select_dispatch_mode(T, k, x.shape[1], x.dtype, x.device)
+    mode = select_dispatch_mode(T, k, x.shape[1], x.dtype)
     return _dispatch(x, topk_ids, expert_start, num_local_experts, align, mode)
 
 
@@ -237,11 +240,14 @@ def dispatch_in_mode(x: torch.Tensor, topk_ids: torch.Tensor, *, expert_start: i
 
     Raises:
         ValueError: as `dispatch`, an unknown mode, or "decode" with more than
-        SMs * threads-per-block (t, j) items (one co-resident grid).
+        DISPATCH_DECODE_MAX_ITEMS (t, j) items.
     """
-    _check_dispatch(x, topk_ids, expert_start, num_local_experts, align)
+    T, k = _check_dispatch(x, topk_ids, expert_start, num_local_experts, align)
     if mode not in cc.MODES:
         raise ValueError(f"mode must be one of {cc.MODES}, got {mode!r}")
+    if mode == "decode" and T * k > DISPATCH_DECODE_MAX_ITEMS:
+        raise ValueError(f"decode dispatch takes at most {DISPATCH_DECODE_MAX_ITEMS} (t, j) "
+                         f"items, got {T} x {k}; use mode='prefill'")
     return _dispatch(x, topk_ids, expert_start, num_local_experts, align, mode)
 
 
@@ -259,16 +265,9 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     dtype = _DTYPE_NAMES[x.dtype]
     if mode == "decode":
-        n = T * k
-        sms = _sm_count(dev.index)
-        ipb = -(-n // min(sms, n))
-        if ipb > cc.DISPATCH_DECODE_WARPS * 32:
-            raise ValueError(f"decode dispatch holds at most {sms * cc.DISPATCH_DECODE_WARPS * 32} "
-                             f"(t, j) items on this GPU, got {n}; use mode='prefill'")
-        fn = cc.dispatch_decode_fn(dtype, H, E, k)
-        ws = workspace(dev, "dispatch_decode", _ddec.workspace_words(E))
-        fn(x, topk_ids, expert_x, offsets, token_slot, ws, expert_start, align, ipb, -(-n // ipb),
-           error_flags().device_addr, BARRIER_MAX_POLLS, BARRIER_TIMEOUT_NS)
+        cc.dispatch_decode_fn(dtype, H, E, k)(
+            x, topk_ids, expert_x, offsets, token_slot, expert_start, align,
+            DISPATCH_DECODE_BLOCKS_PER_SM * _sm_count(dev.index))
     else:
         rank = torch.empty(T, k, dtype=torch.int32, device=dev)
         threads = cc.DISPATCH_SLOTS_WARPS * 32

@@ -1,129 +1,180 @@
-"""Dispatch, decode mode: ONE cooperative launch, phases separated by a grid barrier.
+"""Dispatch, decode mode: ONE launch, no grid barrier, no global atomics, no memset.
 
 Specialization (constexpr): dtype (from the tensors), H hidden, E local experts, K top-k,
-WARPS per block, V vectors per lane per row segment. Dynamic: T tokens, N output rows.
+WARPS per block, V 16-byte vectors per lane per row segment, MAX_ITEMS (cap on T * K).
+Dynamic: T tokens (T * K <= MAX_ITEMS, checked by the host), N output rows.
 
-Grid: G <= number of SMs blocks (co-resident, cooperative launch); block b owns the (t, j)
-items [b * ipb, (b + 1) * ipb) of the flattened [T, K] ids, ipb <= WARPS * 32.
-  phase 1 (count/assign): each thread takes one item; local experts get a rank inside the
-      block from a shared-memory atomic; one global atomic per (block, expert) then reserves
-      a contiguous range of the expert's rows (base).
-  grid barrier (sync/grid_barrier.py): all counts are final.
-  phase 2 (offsets + copy): every block scans the padded global counts itself (E values),
-      slot = offset[e] + base[e] + rank; block 0 writes expert_offsets; then the block's warps
-      copy its items' rows in 128-bit segments (each warp's first segment is loaded before
-      the barrier, so that load's latency overlaps the wait).
-Counters are double-buffered by the barrier's parity bit: this launch adds into
-counts[phase] and clears counts[1 - phase] for the next launch, so nothing is memset.
-Workspace int32 [workspace_words(E)]: [0] barrier word, [4 : 4 + 2E] counts[2][E].
+Every block computes the whole layout itself from the T * K expert ids (a few KiB at decode
+sizes), so blocks never wait for each other:
+  1. ranks: warp w owns the items [w * ch * 32, (w + 1) * ch * 32) of the flattened [T, K]
+     ids (ch = ceil(T * K / threads) chunks of 32 items; the ids are loaded up front). Chunk by
+     chunk, the lanes with the same expert are found with one ballot per bit of the expert id
+     (peers = AND over bits of the ballot or its complement, as the lane's bit is 1 or 0);
+     an item's rank inside the warp is its lanes-below count plus the warp's running count of
+     that expert, kept in shared memory (hist[w, e]; only the group's lowest lane updates it).
+     (`match.any.sync` finds the same groups but cost ~0.1 µs per distinct expert in a chunk
+     on the H200.)
+  2. offsets: hist[:, e] becomes its exclusive prefix over warps (the base of warp w inside
+     expert e) and the count of e; a block scan of the counts, each rounded up to `align`,
+     gives the expert offsets (block 0 writes expert_offsets).
+  3. slot(t, j) = offset[e] + base[w, e] + rank: the rank of (t, j) among the picks of its
+     expert in token-major order, so the layout is deterministic and equals reference.dispatch.
+  4. copy: one warp per (token, row segment) unit, grid-stride; the warp loads the token's
+     segment once (128-bit loads; its first unit is loaded before step 1, overlapping the
+     ids' latency) and stores it to each of the token's local slots; the unit with segment 0
+     writes the token's row of token_slot.
+Shared memory: hist int32 [WARPS, E], slot int32 [MAX_ITEMS], (E + 1) offsets.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Constexpr, Int32, Int64, Uint32
+from cutlass import Constexpr, Int32, Uint32
 
-from ..sync.grid_barrier import barrier_phase, grid_barrier
-from .device_counts import add_block_counts, clear_shared, padded_offsets
+from .device_counts import block_exclusive_scan
 from .device_rows import load_segment, num_segments, row_vectors, store_segment, vec_width
-
-
-def workspace_words(num_experts: int) -> int:
-    return 4 + 2 * num_experts
 
 
 @cute.kernel
 def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor,
-                           mOffsets: cute.Tensor, mSlot: cute.Tensor, mWs: cute.Tensor,
-                           expert_start: Int32, align: Int32, ipb: Int32, err_addr: Int64,
-                           max_iters: Int32, timeout_ns: Int64,
-                           H: Constexpr[int], E: Constexpr[int], K: Constexpr[int],
-                           WARPS: Constexpr[int], V: Constexpr[int], site: Constexpr[int]):
+                           mOffsets: cute.Tensor, mSlot: cute.Tensor, expert_start: Int32,
+                           align: Int32, H: Constexpr[int], E: Constexpr[int], K: Constexpr[int],
+                           WARPS: Constexpr[int], V: Constexpr[int], MAX_ITEMS: Constexpr[int]):
     THREADS = WARPS * 32
+    MAXC = MAX_ITEMS // THREADS  # chunks of 32 items per warp at the cap
+    PER_T = (E + THREADS - 1) // THREADS  # experts per thread in step 2
+    BITS = max(1, (E - 1).bit_length())  # bits of a local expert id
     VEC = vec_width(mX.element_type)
     NV = H // VEC
     NSEG = num_segments(H, mX.element_type, V)
 
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
-    n_items = mIds.shape[0] * K
-    first = bidx * ipb
+    T = mX.shape[0]
+    n = T * K
+    ch = (n + THREADS - 1) // THREADS
 
     smem = cutlass.memory.SmemAllocator()
-    s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-    s_base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-    s_off = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
-    s_slot = smem.allocate_tensor(Int32, cute.make_layout(THREADS), byte_alignment=16)
+    s_hist = smem.allocate_tensor(Int32, cute.make_layout((WARPS, E), stride=(E, 1)),
+                                  byte_alignment=16)
+    s_slot = smem.allocate_tensor(Int32, cute.make_layout(MAX_ITEMS), byte_alignment=16)
+    s_off = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
     s_warp = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
-    s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-    clear_shared(s_cnt, E, THREADS)
 
-    bar = cute.recast_ptr(mWs.iterator, dtype=Uint32)
-    phase = barrier_phase(bar)
-    counts = mWs.iterator + (4 + phase * E)
-    stale = cute.make_tensor(mWs.iterator + (4 + (1 - phase) * E), cute.make_layout(E))
-
-    # ---- phase 1: rank inside the block, then one global reservation per (block, expert)
-    item = first + tidx
-    mine = tidx < ipb and item < n_items
-    el = Int32(-1)
-    rank = Int32(0)
-    if mine:
-        e = mIds[item // K, item % K] - expert_start
-        if e >= 0 and e < E:
-            el = e
-            rank = cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
-    cute.arch.sync_threads()
-    add_block_counts(s_cnt, counts, s_base, E, THREADS)
-
-    # prefetch: the warp's first row segment depends only on its item, not on the slots, so its
-    # load overlaps the barrier (clamped in range; unused when the warp has no unit)
-    n_mine = cutlass.max(cutlass.min(ipb, n_items - first), 0)
+    # first copy unit of this warp: its row segment does not depend on the ids, load it now
+    u0 = bidx * WARPS + warp
+    n_units = T * NSEG
+    uc = cutlass.min(u0, n_units - 1)
+    t0 = uc // NSEG
     frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
-    it0 = warp // NSEG
-    row0 = cutlass.min(first + cutlass.min(it0, cutlass.max(n_mine - 1, 0)), n_items - 1) // K
-    load_segment(row_vectors(mX[row0, None], VEC), frag, lane, warp - it0 * NSEG, V, NV)
+    load_segment(row_vectors(mX[t0, None], VEC), frag, lane, uc - t0 * NSEG, V, NV)
 
-    ok = grid_barrier(bar, s_flag.iterator, err_addr, max_iters, timeout_ns, site)
+    # the warp's ids, all loads issued before any use (in range, no branch; chunks past ch
+    # re-read chunk 0's line); ev[c] = local expert of item (warp * ch + c) * 32 + lane, or -1
+    # (not local / past the end)
+    ev = []
+    for c in cutlass.range_constexpr(MAXC):
+        item = (warp * ch + c) * 32 + lane
+        i = cutlass.min(item if c < ch else warp * ch * 32 + lane, n - 1)
+        e = mIds[i // K, i % K] - expert_start
+        ev.append(e if item < n and e >= 0 and e < E else Int32(-1))
+    for i in cutlass.range_constexpr((E + 31) // 32):
+        if cutlass.const_expr(E % 32 == 0 or i < E // 32):
+            s_hist[warp, lane + i * 32] = 0
+        else:
+            if lane + i * 32 < E:
+                s_hist[warp, lane + i * 32] = 0
+    cute.arch.sync_warp()
 
-    # ---- phase 2: offsets from the final counts, slots, row copies
-    if ok != 0:
-        padded_offsets(counts, align, s_off, s_warp, E, WARPS)
-        cute.arch.sync_threads()
-        if bidx == 0:
-            for i in cutlass.range_constexpr((E + 1 + THREADS - 1) // THREADS):
-                e = tidx + i * THREADS
-                if e <= E:
-                    mOffsets[e] = s_off[e]
-                if e < E:
-                    stale[e] = 0
-        slot = Int32(-1)
-        if el >= 0:
-            slot = s_off[el] + s_base[el] + rank
-        if mine:
-            mSlot[item // K, item % K] = slot
-        s_slot[tidx] = slot
-        cute.arch.sync_threads()
+    # 1. rank of each item inside its warp (token-major), s_slot[item] = rank or -1
+    for c in cutlass.range_constexpr(MAXC):
+        if c < ch:
+            e = ev[c]
+            peers = Uint32(cute.arch.vote_ballot_sync(e >= 0))
+            for b in cutlass.range_constexpr(BITS):
+                bit = (e >> b) & 1
+                # lanes whose bit b equals mine: the ballot, or its complement when mine is 0
+                peers = peers & (Uint32(cute.arch.vote_ballot_sync(bit == 1))
+                                 ^ (Uint32(bit) - Uint32(1)))
+            below = Int32(cute.arch.popc(peers & cute.arch.lanemask_lt()))
+            item = (warp * ch + c) * 32 + lane
+            seen = Int32(0)
+            if e >= 0:
+                seen = s_hist[warp, e]
+            if item < n:
+                s_slot[item] = seen + below if e >= 0 else Int32(-1)
+            cute.arch.sync_warp()
+            if e >= 0 and below == 0:
+                s_hist[warp, e] = seen + Int32(cute.arch.popc(peers))
+            cute.arch.sync_warp()
+    cute.arch.sync_threads()
 
-        for u in cutlass.range(warp, n_mine * NSEG, WARPS):
-            it = u // NSEG
-            seg = u - it * NSEG
-            if u != warp:
-                load_segment(row_vectors(mX[(first + it) // K, None], VEC), frag, lane, seg, V, NV)
-            dst = s_slot[it]
-            if dst >= 0:
-                store_segment(row_vectors(mOut[dst, None], VEC), frag, lane, seg, V, NV)
+    # 2. per expert (thread tidx owns experts [tidx * PER_T, +PER_T)): warp bases and the
+    # padded count, then the block scan of the padded counts -> offsets
+    pads = []
+    part = Int32(0)
+    for i in cutlass.range_constexpr(PER_T):
+        e = tidx * PER_T + i
+        run = Int32(0)
+        if e < E:
+            hs = []
+            for w in cutlass.range_constexpr(WARPS):
+                hs.append(s_hist[w, e])
+            for w in cutlass.range_constexpr(WARPS):
+                s_hist[w, e] = run
+                run = run + hs[w]
+        pad = (run + align - 1) // align * align
+        pads.append(pad)
+        part = part + pad
+    excl, total = block_exclusive_scan(part, s_warp, WARPS)
+    for i in cutlass.range_constexpr(PER_T):
+        e = tidx * PER_T + i
+        if e < E:
+            s_off[e] = excl
+            if bidx == 0:
+                mOffsets[e] = excl
+        excl = excl + pads[i]
+    if bidx == 0 and tidx == 0:
+        mOffsets[E] = total
+    cute.arch.sync_threads()
+
+    # 3. slots
+    for c in cutlass.range_constexpr(MAXC):
+        if c < ch:
+            e = ev[c]
+            if e >= 0:
+                item = (warp * ch + c) * 32 + lane
+                s_slot[item] = s_off[e] + s_hist[warp, e] + s_slot[item]
+    cute.arch.sync_threads()
+
+    # 4. copies
+    for u in cutlass.range(u0, n_units, nblk * WARPS):
+        t = u // NSEG
+        seg = u - t * NSEG
+        if u != u0:
+            load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, NV)
+        dsts = []
+        for j in cutlass.range_constexpr(K):
+            dsts.append(s_slot[t * K + j])
+        for j in cutlass.range_constexpr(K):
+            if dsts[j] >= 0:
+                store_segment(row_vectors(mOut[dsts[j], None], VEC), frag, lane, seg, V, NV)
+        if seg == 0 and lane < K:
+            mSlot[t, lane] = s_slot[t * K + lane]
 
 
 @cute.jit
 def dispatch_decode(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor, mOffsets: cute.Tensor,
-                    mSlot: cute.Tensor, mWs: cute.Tensor, expert_start: Int32, align: Int32,
-                    ipb: Int32, grid: Int32, err_addr: Int64, max_iters: Int32, timeout_ns: Int64,
-                    stream, H: Constexpr[int], E: Constexpr[int], K: Constexpr[int],
-                    WARPS: Constexpr[int], V: Constexpr[int], site: Constexpr[int]):
-    """x [T,H], ids int32 [T,K] -> out [N,H], offsets int32 [E+1], slot int32 [T,K] (grid <= SMs)."""
-    dispatch_decode_kernel(mX, mIds, mOut, mOffsets, mSlot, mWs, expert_start, align, ipb, err_addr,
-                           max_iters, timeout_ns, H, E, K, WARPS, V, site).launch(
-        grid=(grid, 1, 1), block=(WARPS * 32, 1, 1), cooperative=True, stream=stream)
+                    mSlot: cute.Tensor, expert_start: Int32, align: Int32, max_grid: Int32, stream,
+                    H: Constexpr[int], E: Constexpr[int], K: Constexpr[int],
+                    WARPS: Constexpr[int], V: Constexpr[int], MAX_ITEMS: Constexpr[int]):
+    """x [T,H], ids int32 [T,K] (T >= 1, T*K <= MAX_ITEMS) -> out [N,H], offsets int32 [E+1],
+    slot int32 [T,K]; grid = min(ceil(T * segments / WARPS), max_grid)."""
+    units = mX.shape[0] * num_segments(H, mX.element_type, V)
+    grid = cutlass.min(cute.ceil_div(units, WARPS), max_grid)
+    dispatch_decode_kernel(mX, mIds, mOut, mOffsets, mSlot, expert_start, align, H, E, K, WARPS,
+                           V, MAX_ITEMS).launch(grid=(grid, 1, 1), block=(WARPS * 32, 1, 1),
+                                                stream=stream)

@@ -5,8 +5,7 @@ Every block adds 1, block 0 adds 2^31 - (nblocks - 1), so bit 31 flips exactly w
 block arrives and the low bits return to 0 (the scheme of CUDA cooperative groups' grid.sync;
 CUTEDSL.md recipe 5). Each block waits until bit 31 differs from the `old` value its own atomic
 returned, so there is no ABA problem and no epoch to pass in: the word is its own generation
-counter. Between launches bit 31 is the launch parity (`barrier_phase`), which kernels use to
-double-buffer per-launch counters instead of clearing them.
+counter.
 
 The wait is bounded twice: by `max_iters` polls and by `timeout_ns` of %globaltimer (timers
 overshoot on some machines, CUTEDSL.md §16 r9, so the iteration bound is the reliable one).
@@ -14,6 +13,10 @@ On timeout the block records `site` in the error words (mapped host memory, see
 `moe_runtime.sync.host.ErrorFlags`) and returns ok = 0; callers skip the work that depended on
 the barrier. After a timeout the barrier word is inconsistent: the host resets it together
 with the error flags (`ErrorFlags.clear`).
+
+No local kernel needs grid_barrier now (the decode dispatch derives its layout in every block,
+kernels/dispatch_decode.py); it stays as the tested bounded primitive for one-launch multi-phase
+kernels, exercised by `barrier_probe`. last_block_arrive is used by routing and dispatch slots.
 
 Requirements: all blocks co-resident (launch with cooperative=True, grid <= SMs x occupancy),
 called from block-uniform control flow by every thread of every block, 1-D grids.
@@ -24,16 +27,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32, Int64, Uint32
 
-from .ordered import atomic_add_acq_rel, atomic_add_release, fence_gpu, ld_acquire, ld_relaxed, \
-    mapped_i32, st_relaxed
+from .ordered import atomic_add_acq_rel, atomic_add_release, fence_gpu, ld_acquire, mapped_i32, \
+    st_relaxed
 
 PHASE_BIT = 0x80000000
-
-
-@cute.jit
-def barrier_phase(bar: cute.Pointer) -> Int32:
-    """Bit 31 of the barrier word (0/1): constant for a whole launch until its first barrier."""
-    return Int32(ld_relaxed(bar) >> Uint32(31))
 
 
 @cute.jit

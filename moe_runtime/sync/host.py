@@ -29,10 +29,8 @@ import torch
 NUM_ERROR_WORDS = 16
 
 # error word index -> the step it names (the kernels pass these indices as `site`)
-SITE_DISPATCH_DECODE_BARRIER = 1
 SITE_BARRIER_PROBE = 2
 SITE_MESSAGES = {
-    SITE_DISPATCH_DECODE_BARRIER: "dispatch decode grid barrier timed out (phase count->copy)",
     SITE_BARRIER_PROBE: "grid barrier probe timed out (test hook: one block never arrives)",
 }
 

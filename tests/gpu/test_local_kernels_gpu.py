@@ -3,7 +3,8 @@
 Every output the kernels allocate is poisoned first (torch.empty is patched to fill NaN for
 floats and -7 for integers), so a row or slot the kernel forgets to write shows up.
 Dispatch: rows bit-exact through token_slot, expert_offsets exact, every slot of an expert
-used exactly once (the order inside an expert may differ from the reference). Combine: rel err
+used exactly once (prefill: the order inside an expert may differ from the reference; decode:
+token_slot equals the reference's, the layout is deterministic). Combine: rel err
 <= 1e-2 (16-bit) against float64. Route: ids identical, weights within fp32 rounding.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ def rand_ids(T, E, k, gen=None):
     return torch.rand(T, E, device=DEV, generator=gen).topk(k, dim=1).indices.to(torch.int32)
 
 
-def check_dispatch(x, ids, out, *, expert_start, num_local_experts, align=1):
+def check_dispatch(x, ids, out, *, expert_start, num_local_experts, align=1, exact_slots=False):
     ex, off, slot = out
     rx, roff, rslot = reference.dispatch(x, ids, expert_start=expert_start,
                                          num_local_experts=num_local_experts, align=align)
@@ -56,6 +57,8 @@ def check_dispatch(x, ids, out, *, expert_start, num_local_experts, align=1):
     assert ex.shape == rx.shape and ex.dtype == x.dtype
     assert off.dtype == torch.int32 and slot.dtype == torch.int32 and slot.shape == (T, k)
     assert torch.equal(off, roff), f"offsets {off.tolist()} != {roff.tolist()}"
+    if exact_slots:
+        assert torch.equal(slot, rslot), "decode layout differs from the token-major reference"
     assert torch.equal(slot < 0, rslot < 0), "local/non-local picks differ"
     local = slot >= 0
     s = slot[local].long()
@@ -88,13 +91,17 @@ def check_combine(y, expert_y, slot, w, tol):
 def test_dispatch_matches_reference(ops, mode, dtype, H, E, k, T):
     x = torch.randn(T, H, device=DEV).to(dtype)
     ids = rand_ids(T, E, k)
+    if mode == "decode" and T * k > ops.DISPATCH_DECODE_MAX_ITEMS:
+        with pytest.raises(ValueError, match="use mode='prefill'"):
+            ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=mode)
+        return
     out = ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=mode)
-    check_dispatch(x, ids, out, expert_start=0, num_local_experts=E)
+    check_dispatch(x, ids, out, expert_start=0, num_local_experts=E, exact_slots=mode == "decode")
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ["one_expert", "empty_experts", "rank_filter", "align16",
-                                  "align128_filter", "no_local"])
+                                  "align128_filter", "no_local", "negative_ids"])
 def test_dispatch_edge_cases(ops, mode, case):
     T, H, E, k = 300, 2048, 64, 4
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
@@ -112,10 +119,52 @@ def test_dispatch_edge_cases(ops, mode, case):
         start, n_local, align = 48, 16, 128
     elif case == "no_local":
         start, n_local = 64, 8
+    elif case == "negative_ids":  # masked picks (-1) and ids below expert_start are not local
+        start, n_local = 8, 32
+        ids[torch.rand(T, k, device=DEV) < 0.3] = -1
     out = ops.dispatch_in_mode(x, ids, expert_start=start, num_local_experts=n_local, align=align,
                                mode=mode)
     assert out[0].shape[0] == reference.dispatch_capacity(T, ids.shape[1], n_local, align)
-    check_dispatch(x, ids, out, expert_start=start, num_local_experts=n_local, align=align)
+    check_dispatch(x, ids, out, expert_start=start, num_local_experts=n_local, align=align,
+                   exact_slots=mode == "decode")
+
+
+@pytest.mark.parametrize("case", ["T1_k1", "odd_hidden", "one_vector_rows", "max_experts_align",
+                                  "cap", "cap_one_expert"])
+def test_dispatch_decode_edge_cases(ops, case):
+    """The barrier-free decode kernel at its edges: one pick, rows of partial segments or a
+    single 16-byte vector, E = 1024 (the largest shared-memory layout) with padding, exactly
+    the item cap (all warps own full chunks), the cap on one expert (ranks up to cap - 1)."""
+    T, H, E, k, dtype, start, n_local, align = {
+        "T1_k1": (1, 2048, 128, 1, torch.bfloat16, 0, 128, 1),
+        "odd_hidden": (37, 2888, 64, 6, torch.bfloat16, 0, 64, 1),   # 361 vectors: 12 segments
+        "one_vector_rows": (300, 4, 16, 3, torch.float32, 0, 16, 8),
+        "max_experts_align": (200, 1024, 1280, 8, torch.bfloat16, 256, 1024, 4),
+        "cap": (256, 1024, 128, 8, torch.float16, 0, 128, 1),
+        "cap_one_expert": (2048, 256, 64, 1, torch.bfloat16, 0, 64, 16),
+    }[case]
+    assert T * k <= ops.DISPATCH_DECODE_MAX_ITEMS
+    x = torch.randn(T, H, device=DEV).to(dtype)
+    ids = rand_ids(T, E, k)
+    if case == "cap_one_expert":
+        ids.fill_(9)
+    out = ops.dispatch_in_mode(x, ids, expert_start=start, num_local_experts=n_local, align=align,
+                               mode="decode")
+    check_dispatch(x, ids, out, expert_start=start, num_local_experts=n_local, align=align,
+                   exact_slots=True)
+
+
+def test_dispatch_decode_item_cap(ops):
+    """Above the cap, decode is refused and the automatic choice is prefill."""
+    cap, k, H = ops.DISPATCH_DECODE_MAX_ITEMS, 8, 256
+    assert ops.select_dispatch_mode(cap // k, k, H, torch.bfloat16) == "decode"
+    assert ops.select_dispatch_mode(cap // k + 1, k, H, torch.bfloat16) == "prefill"
+    x = torch.randn(cap // k + 1, H, device=DEV).to(torch.bfloat16)
+    ids = rand_ids(cap // k + 1, 64, k)
+    with pytest.raises(ValueError, match="at most"):
+        ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=64, mode="decode")
+    check_dispatch(x, ids, ops.dispatch(x, ids, expert_start=0, num_local_experts=64),
+                   expert_start=0, num_local_experts=64)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -128,29 +177,33 @@ def test_dispatch_zero_tokens(ops, mode):
     assert torch.equal(off, torch.zeros(33, device=DEV, dtype=torch.int32))
 
 
-def test_dispatch_auto_mode_and_decode_reuse_1000_calls(ops):
-    """1000 back-to-back decode launches with varying T reuse one barrier word and the
-    parity-buffered counters; offsets of every call are checked on the device (no sync)."""
+def test_dispatch_auto_mode_and_decode_1000_calls(ops):
+    """1000 back-to-back decode launches with varying T (1..256, up to the item cap): no state
+    carries between launches; offsets and the slots of every call are checked on the device
+    (no sync): slots against the token-major rank computed by torch."""
     H, E, k = 1024, 128, 8
     assert ops.select_dispatch_mode(1, k, H, torch.bfloat16) == "decode"
     assert ops.select_dispatch_mode(16384, k, 7168, torch.bfloat16) == "prefill"
-    x_all = torch.randn(300, H, device=DEV).to(torch.bfloat16)
+    x_all = torch.randn(256, H, device=DEV).to(torch.bfloat16)
     bad = torch.zeros((), device=DEV, dtype=torch.int64)
     kept = []
     for i in range(1000):
-        T = 1 + (i * 37) % 300
+        T = 1 + (i * 37) % 256
         ids = rand_ids(T, E, k)
         out = ops.dispatch_in_mode(x_all[:T], ids, expert_start=0, num_local_experts=E,
                                    mode="decode")
-        counts = torch.bincount(ids.flatten().long(), minlength=E)
-        ref_off = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        bad += (out[1] != ref_off).sum()
+        flat = ids.flatten().long()
+        counts = torch.bincount(flat, minlength=E)
+        ref_off = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        same = flat.unsqueeze(0) == flat.unsqueeze(1)  # [n, n]: rank = same expert, earlier item
+        rank = torch.tril(same, diagonal=-1).sum(1)
+        bad += (out[1] != ref_off).sum() + (out[2].flatten() != ref_off[flat] + rank).sum()
         if i % 97 == 0:
             kept.append((T, ids, out))
     ops.check_errors()
     assert bad.item() == 0
     for T, ids, out in kept:
-        check_dispatch(x_all[:T], ids, out, expert_start=0, num_local_experts=E)
+        check_dispatch(x_all[:T], ids, out, expert_start=0, num_local_experts=E, exact_slots=True)
 
 
 def test_dispatch_and_combine_in_a_cuda_graph(ops):
