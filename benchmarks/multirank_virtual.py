@@ -4,8 +4,8 @@
 A functional proxy: every "link" is this GPU's HBM, so the numbers show the kernels' cost and
 protocol overhead, not NVLink speed. Per (W, tokens per rank T):
     dispatch (decode and/or prefill mode), dispatch + combine (identity experts: expert_y is the
-    expert_x view), all-reduce one-shot / two-shot of [T, H] per rank, and the decode fusion of
-    the tp combine with the one-shot.
+    expert_x view), all-reduce one-shot / two-shot of [T, H] per rank, and the tp decode combine
+    followed by the one-shot (tp_combine_all_reduce: two launches).
 Timing: `gpu us` = GPU time per call with the launches queued behind a sleep kernel (host cost
 hidden); `host us` = wall time per call of the eager Python call (TVM-FFI launches, no sync).
 Bytes moved = rows that cross between ranks (dispatch/combine: W*T*k rows of H; one-shot:
@@ -113,7 +113,7 @@ def bench_world(W, tokens, a, rows):
                              bytes=nbytes, gbps=nbytes / g / 1e3))
             print(f"  W={W} T={T} allreduce {algo:<7}  gpu {g:9.1f} us  host {hst:8.1f} us  "
                   f"{nbytes / 2**20:9.1f} MiB  {nbytes / g / 1e3:7.1f} GB/s", flush=True)
-        if T <= a.decode_max and not a.skip_fused:  # tp decode: local combine + one-shot
+        if T <= a.decode_max and not a.skip_tp_combine:  # tp decode: local combine + one-shot
             xr, El = x[:T], E // W
             idr, wr = ids[:T], w[:T]
             eys, slots = [], []
@@ -127,7 +127,7 @@ def bench_world(W, tokens, a, rows):
                                                timeout_s=a.timeout, check=False)
             tp_combine_all_reduce(b, eys, slots, wr, timeout_s=a.timeout)
             g, hst = gpu_us(fn, n), host_us(fn, n)
-            b.check_errors(f"tp fused W={W} T={T}")
+            b.check_errors(f"tp combine+allreduce W={W} T={T}")
             nbytes = W * (W - 1) * T * row_bytes
             rows.append(dict(W=W, T=T, op="tp combine+allreduce", mode="decode", gpu_us=g,
                              host_us=hst, bytes=nbytes, gbps=nbytes / g / 1e3))
@@ -176,7 +176,8 @@ def main(argv=None):
     ap.add_argument("--decode-max", type=int, default=128, help="also time decode mode up to this T")
     ap.add_argument("--timeout", type=float, default=10.0, help="device wait bound, s")
     ap.add_argument("--out", default="bench_out/multirank_virtual.json")
-    ap.add_argument("--skip-fused", action="store_true", help="leave out the tp fused op")
+    ap.add_argument("--skip-tp-combine", action="store_true",
+                    help="leave out the tp decode combine + all-reduce")
     ap.add_argument("--real", action="store_true", help="one rank per GPU under torchrun (multi-GPU)")
     a = ap.parse_args(argv)
     a.worlds = [int(v) for v in a.worlds.split(",")]

@@ -3,8 +3,9 @@ and its PTX holds what the protocol relies on. The NVLS kernel is compiled only:
 contain the multimem instructions; it is never launched anywhere.
 
 Configurations: W in {2, 4, 8} virtual ranks (n_local = W, CTAs per rank as on a 132-SM H200)
-and one real-rank layout (n_local = 1); the dispatch/combine in decode (one cooperative launch)
-and prefill (one launch per phase) modes; one-shot, two-shot and fused tp all-reduce.
+and one real-rank layout (n_local = 1); the dispatch in decode (one cooperative launch) and
+prefill (one launch per phase) modes, the combine's two phases at decode and prefill sizes;
+one-shot, two-shot and the tp combine launch.
 """
 import re
 
@@ -37,8 +38,8 @@ DEPOT = r"__local_depot"              # register arrays spilled to local memory
 LAYOUTS = [(2, 2), (4, 4), (8, 8), (8, 1)]
 
 
-def _cpr(n_local, fused):
-    return SMS // n_local if fused else 4 * SMS // n_local
+def _cpr(n_local, one_per_sm):
+    return SMS // n_local if one_per_sm else 4 * SMS // n_local
 
 
 def _check(f, arch, expect, forbid=(GENERIC, DEPOT)):
@@ -70,21 +71,23 @@ def test_dispatch_compiles(arch, world, n_local):
 @pytest.mark.parametrize("world,n_local", LAYOUTS)
 def test_combine_compiles(arch, world, n_local):
     El = E // world
-    f = ec.compile_combine(ec.PH_CALL, H, K, world, El, ed.DECODE_CHUNK, _cpr(n_local, True),
-                           n_local, "bfloat16", arch)
-    _check(f, arch, [V4LD, V4ST, REL, ACQ, r"fma\.rn\.f32|add\.f32"])
-    for ph, exp in ((ec.PH_CSEND, [V4LD, V4ST, REL]), (ec.PH_CREDUCE, [V4LD, V4ST, ACQ])):
-        f = ec.compile_combine(ph, H, K, world, El, ed.PREFILL_CHUNK, _cpr(n_local, False),
-                               n_local, "bfloat16", arch)
-        _check(f, arch, exp)
+    expect = {ec.PH_CSEND: [V4LD, V4ST, REL],
+              ec.PH_CREDUCE: [V4LD, V4ST, ACQ, r"fma\.rn\.f32|add\.f32"]}
+    for chunk, one_per_sm in ((ed.DECODE_CHUNK, True), (ed.PREFILL_CHUNK, False)):
+        for ph in (ec.PH_CSEND, ec.PH_CREDUCE):
+            f = ec.compile_combine(ph, H, K, world, El, chunk, _cpr(n_local, one_per_sm),
+                                   n_local, "bfloat16", arch)
+            _check(f, arch, expect[ph])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("world,n_local", LAYOUTS)
 def test_allreduce_compiles(arch, world, n_local):
-    for algo in (ar.ONESHOT, ar.TWOSHOT, ar.FUSED):
+    expect = {ar.ONESHOT: [V4LD, V4ST, REL, ACQ], ar.TWOSHOT: [V4LD, V4ST, REL, ACQ],
+              ar.COMBINE: [V4LD, V4ST, r"fma\.rn\.f32|add\.f32"]}
+    for algo, exp in expect.items():
         f = ar.compile_allreduce(algo, H, K, world, _cpr(n_local, True), n_local, "bfloat16", arch)
-        _check(f, arch, [V4LD, V4ST, REL, ACQ])
+        _check(f, arch, exp)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -71,6 +71,29 @@ def test_error_words_raise_naming_rank_phase_peer_then_reset():
     assert not b.view(pb.F_ERR, 2).any()
 
 
+def test_refused_values_raise_data_error_naming_rank_code_and_bound():
+    b = bufs()
+    b.view(pb.F_ERR, 1).copy_(torch.tensor([16, -1, 16, 99], dtype=torch.int32))
+    b.view(pb.F_ERR, 3).copy_(torch.tensor([4, 1, 7, 6], dtype=torch.int32))  # follow-on wait
+    with pytest.raises(pb.PeerDataError) as ei:
+        b.check_errors("ep_dispatch")
+    msg = str(ei.value)
+    assert "rank 1: " + pb.PHASES[16] in msg and "saw 99, allowed [0, 16)" in msg, msg
+    assert "rank 3: timed out" in msg and isinstance(ei.value, pb.PeerError)
+    assert all(c >= pb.DATA_ERROR for c in range(16, 22) if c in pb.PHASES)
+
+
+def test_wait_bounds_validate():
+    pytest.importorskip("cutlass")
+    from moe_runtime.kernels.peer_sync import MAX_SPINS, wait_bounds
+    assert wait_bounds(1.0, None) == (10**9, 10**7)
+    assert wait_bounds(3600.0, None)[1] == MAX_SPINS  # 2x (grid barriers) stays in int32
+    for bad in (dict(timeout_s=0, max_spins=None), dict(timeout_s=float("nan"), max_spins=None),
+                dict(timeout_s=1.0, max_spins=0), dict(timeout_s=1.0, max_spins=MAX_SPINS + 1)):
+        with pytest.raises(ValueError):
+            wait_bounds(**bad)
+
+
 def test_nvls_off_variables_win(monkeypatch):
     for var, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                      ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
@@ -107,6 +130,7 @@ def recorded(monkeypatch):
 def test_host_paths_pass_the_compiled_signatures(recorded):
     """The kernels take the table and scalars only; every per-call array reaches them through
     the table's F_ARG_* rows, which must hold each local rank's row addresses."""
+    from moe_runtime.kernels import allreduce
     from moe_runtime.kernels.allreduce import all_reduce, tp_combine_all_reduce
     from moe_runtime.kernels.ep_combine import ep_combine
     from moe_runtime.kernels.ep_dispatch import PREFILL_PHASES, ep_dispatch
@@ -146,7 +170,8 @@ def test_host_paths_pass_the_compiled_signatures(recorded):
     slot = torch.full((4, 2, 4), -1, dtype=torch.int32)
     w2 = torch.rand(2, 4)
     tp_combine_all_reduce(b, eys, slot, w2)
-    assert recorded[-1][1][0] == 3
+    assert [c[1][0] for c in recorded[-2:]] == [allreduce.COMBINE, allreduce.ONESHOT]
     assert tab[pb.F_ARG_SLOT].tolist() == [t.data_ptr() for t in slot]
+    assert tab[pb.F_ARG_ROWS].tolist() == [8] * 4  # the kernel refuses slots >= 8
     assert tab[pb.F_ARG_W].tolist() == [w2.data_ptr()] * 4
     assert torch.equal(b.table, b._host_table)

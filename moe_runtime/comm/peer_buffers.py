@@ -28,8 +28,11 @@ this rank).
 Flags never go stale: every flag is written with the call's epoch (1, 2, 3, ... wrapping in
 int32) and waited on with a wrap-safe `>=`, so consecutive calls reuse buffers without a
 memset. Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device waits
-that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase. After
-an error the buffers are in an unknown state: `reset()` (a memset, host-synchronous) is needed.
+that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase; an
+index that would fall outside its buffer (topk_ids outside [0, E), token_slot past expert_y, a
+corrupt count or row from a peer) is refused, recorded the same way, and raised as
+`PeerDataError`. After an error the buffers are in an unknown state: `reset()` (a memset,
+host-synchronous) is needed.
 """
 from __future__ import annotations
 
@@ -70,8 +73,9 @@ F_ARG_T = 23        # T_r itself (a count, not an address)
 F_ARG_W = 24        # address of rank r's topk_weights fp32 [T_r, k]
 F_ARG_Y = 25        # address of rank r's output rows [T_r, H]
 F_ARG_EY = 26       # address of rank r's expert_y [>= rows, H]
-F_ARG_SLOT = 27     # address of rank r's token_slot int32 [T, k] (tp fused combine)
-NUM_FIELDS = 28
+F_ARG_SLOT = 27     # address of rank r's token_slot int32 [T, k] (tp decode combine)
+F_ARG_ROWS = 28     # rows of rank r's expert_y (tp decode combine: bound of token_slot)
+NUM_FIELDS = 29
 
 FIELD_NAMES = ("recv_x", "recv_meta", "inbox_cnt", "inbox_flag", "chunk_flag", "ack", "ret_x",
                "ret_flag", "ar_in", "ar_mid", "sig", "cnt", "stage", "inv", "nsend", "pos",
@@ -81,7 +85,10 @@ PEER_FIELDS = frozenset(range(F_RECV_X, F_SIG + 1))
 MAX_CTAS_PER_RANK = 1024   # rows of the signal pad: the most CTAs per rank a barrier kernel may use
 HEAP_ALIGN = 256
 
-# Phase codes the kernels write into err[0]; names used in the exception.
+# Codes the kernels write into err[0]; names used in the exception. Codes below DATA_ERROR are
+# bounded waits that timed out (PeerTimeoutError); from DATA_ERROR on, a value that would have
+# indexed out of bounds was refused instead of used (PeerDataError; expected = the bound).
+DATA_ERROR = 16
 PHASES = {
     1: "dispatch: local grid barrier after counting",
     2: "dispatch: waiting for the destination's ack of the previous call",
@@ -92,19 +99,51 @@ PHASES = {
     7: "all-reduce: cross-rank barrier before reading peers' inputs",
     8: "all-reduce: cross-rank barrier after the reduce-scatter",
     9: "all-reduce: cross-rank barrier before returning (peers done reading)",
+    16: "dispatch/combine: topk_ids entry outside [0, num_experts)",
+    17: "dispatch: more rows for one destination than the buffers hold (repeated expert ids "
+        "in a token?)",
+    18: "dispatch: a source announced more rows than the buffers hold",
+    19: "dispatch: received row with an out-of-range local expert or position",
+    20: "combine: returned row with an out-of-range token item",
+    21: "tp combine: token_slot entry >= rows of expert_y",
 }
 
-class PeerTimeoutError(RuntimeError):
-    """A bounded device-side wait gave up. `errors` holds one dict per failing rank:
+
+def describe_error(e: dict) -> str:
+    """One line for an error record {rank, phase, phase_name, peer, expected, seen}."""
+    if e["phase"] >= DATA_ERROR:
+        return (f"rank {e['rank']}: {e['phase_name']} (code {e['phase']})"
+                + (f", from rank {e['peer']}" if e["peer"] >= 0 else "")
+                + f": saw {e['seen']}, allowed [0, {e['expected']})")
+    return (f"rank {e['rank']}: timed out in {e['phase_name']!r} (phase {e['phase']})"
+            + (f" waiting for rank {e['peer']}" if e["peer"] >= 0 else "")
+            + f", expected epoch/flag >= {e['expected']}, saw {e['seen']}")
+
+
+class PeerError(RuntimeError):
+    """A multi-rank kernel recorded an error. `errors` holds one dict per failing rank:
     {rank, phase, phase_name, peer, expected, seen}."""
+
+    summary = "device error"
 
     def __init__(self, what: str, errors: list[dict]):
         self.errors = errors
-        lines = [f"rank {e['rank']}: timed out in {e['phase_name']!r} (phase {e['phase']})"
-                 + (f" waiting for rank {e['peer']}" if e["peer"] >= 0 else "")
-                 + f", expected epoch/flag >= {e['expected']}, saw {e['seen']}" for e in errors]
-        super().__init__(f"{what}: device wait timed out on {len(errors)} rank(s); buffers must "
-                         "be reset() before reuse:\n  " + "\n  ".join(lines))
+        super().__init__(f"{what}: {self.summary} on {len(errors)} rank(s); buffers must be "
+                         "reset() before reuse:\n  " + "\n  ".join(map(describe_error, errors)))
+
+
+class PeerTimeoutError(PeerError):
+    """A bounded device-side wait gave up (peer = the rank waited for, -1 = own CTAs)."""
+
+    summary = "device wait timed out"
+
+
+class PeerDataError(PeerError):
+    """A kernel refused a value that would have indexed out of bounds (bad input such as
+    topk_ids outside [0, E), or a corrupt value from a peer); nothing was accessed with it.
+    Other ranks may report follow-on timeouts in the same exception."""
+
+    summary = "out-of-range value refused"
 
 
 @dataclass(frozen=True)
@@ -368,11 +407,13 @@ class PeerBuffers:
         return out
 
     def check_errors(self, what: str) -> None:
-        """Raise PeerTimeoutError (and mark the buffers broken) if any local rank timed out."""
+        """Raise (and mark the buffers broken) if any local rank recorded an error:
+        PeerDataError when a value was refused, else PeerTimeoutError."""
         errs = self.errors()
         if errs:
-            self.broken = f"{what}: timeout on rank(s) {[e['rank'] for e in errs]}"
-            raise PeerTimeoutError(what, errs)
+            self.broken = f"{what}: error on rank(s) {[e['rank'] for e in errs]}"
+            data = any(e["phase"] >= DATA_ERROR for e in errs)
+            raise (PeerDataError if data else PeerTimeoutError)(what, errs)
 
     def reset(self) -> None:
         """Zero every heap and restart epochs (host-synchronous; all ranks must reset together)."""
@@ -415,18 +456,6 @@ class PeerBuffers:
         fn(self.table, *args)
         if sync:
             torch.cuda.synchronize(self.device)
-
-    def cached(self, key, make):
-        """Small device tensors (token offsets, address tables) kept per key, so repeated calls
-        make no host-to-device copies (and can be captured in a CUDA graph once warmed up).
-        Address-table keys hold data pointers: a freed-and-reused pointer maps to the same
-        address, which is exactly what the table needs. Bounded to 256 entries."""
-        c = self.__dict__.setdefault("_cache", {})
-        if key not in c:
-            if len(c) >= 256:
-                c.clear()
-            c[key] = make()
-        return c[key]
 
     def describe(self) -> str:
         s = self.spec

@@ -1,5 +1,5 @@
 """tp all-reduce (the `cute` backend) over peer buffers: one-shot, two-shot, and the decode
-fusion of the local combine with the one-shot.
+tp combine (local weighted gather-sum) followed by the one-shot.
 
 Inputs live in every rank's peer-visible F_AR_IN ([T_max, H], the buffers' dtype); outputs in a
 caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once.
@@ -10,29 +10,31 @@ caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once
             (reduce-scatter) -> barrier(e+1) -> every rank copies every slice from its owner's
             F_AR_MID into out (all-gather) -> barrier(e+2). ~2 (W-1)/W of the tensor over the
             links per rank: best for large tensors (bandwidth).
-  fused     (decode) the local combine y_r[t] = sum_j w[t,j] * expert_y_r[slot_r[t,j]]
-            (slot -1 = expert not on this rank) written to F_AR_IN, then one-shot: ONE launch.
-            The partial is rounded to the buffers' dtype before the cross-rank sum.
+  combine   (tp decode, tp_combine_all_reduce) the local combine y_r[t] = sum_j w[t,j] *
+            expert_y_r[slot_r[t,j]] (slot -1 = expert not on this rank) written to F_AR_IN,
+            rounded to the buffers' dtype; then the one-shot in a SECOND launch. (One launch
+            doing both faulted on the H200: see the Status paragraph of ep_dispatch.py.)
 Barriers are per CTA (CTA b of every rank meets CTA b of every rank); a vector is produced and
 consumed by CTAs with the same index on every rank, so no grid-wide barrier is needed (CUTEDSL.md
 P16: a barrier before reading peers and one before returning). Every wait is bounded and a
 timeout raises PeerTimeoutError naming the rank, the phase and the peer.
-Launches are cooperative (all ranks' CTAs co-resident; for virtual ranks grid <= SMs).
+One-/two-shot launches are cooperative (all ranks' CTAs co-resident; virtual ranks: grid <= SMs);
+the combine launch has no waits.
 NVLS (multimem) lives in nvls_allreduce.py and is never selected unless nvls_allowed().
 
 Topology hook (tp `cute` backend; topologies/tp.py is not this file's owner):
 
     bufs = PeerBuffers.from_process_group(PeerSpec(W, max_tokens, H, k, E, dtype, align), group)
-    # decode (one launch): local weighted gather-sum + one-shot all-reduce
+    # decode (two launches): local weighted gather-sum + one-shot all-reduce
     y = tp_combine_all_reduce(bufs, [expert_y], token_slot[None], topk_weights)[0]
     # prefill: local combine (kernels.cute_ops.combine / reference.combine) written into the
     # peer buffer, then the all-reduce reads it in place (one-/two-shot picked by size)
     ar_input(bufs, T).copy_(reference.combine(expert_y, token_slot, topk_weights))
     y = all_reduce(bufs, None, T)[0]
 
-Status (issue 5 session): one-shot and two-shot (W=2 virtual ranks, T 1..64, H 7168) equal
-torch's sum on the H200; the fused decode kernel faulted natively (passed under
-compute-sanitizer); see the issue-5 report.
+Status (issue 5): on the H200 with W in {2, 4, 8} virtual ranks, one-shot and two-shot equal
+torch's sum and tp_combine_all_reduce equals the sum of reference.combine over ranks
+(tests/gpu/test_multirank_virtual_gpu.py); timings in benchmarks/multirank_virtual.py.
 """
 from __future__ import annotations
 
@@ -49,11 +51,13 @@ from cutlass import Constexpr, Float32, Int32, Int64
 from ..comm import peer_buffers as pb
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, compile_tvm,
                         cross_rank_barrier, ctas_per_rank, fake_rows, fake_stream, i32_at,
-                        vec_at, vec_elems, wait_bounds)
+                        in_range, vec_at, vec_elems, wait_bounds)
 
-ONESHOT, TWOSHOT, FUSED = 1, 2, 3
+ONESHOT, TWOSHOT, COMBINE = 1, 2, 3
 ALGOS = {"oneshot": ONESHOT, "twoshot": TWOSHOT}
+SIG_EPOCHS = {ONESHOT: 2, TWOSHOT: 3, COMBINE: 0}  # cross-rank barrier epochs per launch
 ONESHOT_MAX_BYTES = 1 << 20   # auto: one-shot up to 1 MiB per rank, two-shot above
+E_BAD_SLOT = 21               # error code of a refused token_slot entry (peer_buffers.PHASES)
 
 
 @cute.jit
@@ -72,8 +76,9 @@ def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, sk
                      hidden: Constexpr[int], K: Constexpr[int], W: Constexpr[int],
                      cpr: Constexpr[int], dtype: Constexpr):
     """mTab int64 [NUM_FIELDS, W] is the only tensor. Per rank r (F_ARG_* rows): output
-    [T, hidden] (F_ARG_Y); fused only: expert_y (F_ARG_EY), token_slot int32 [T, K]
-    (F_ARG_SLOT), topk_weights fp32 [T, K] (F_ARG_W)."""
+    [T, hidden] (F_ARG_Y; one-/two-shot); COMBINE only: expert_y [F_ARG_ROWS, hidden]
+    (F_ARG_EY), token_slot int32 [T, K] (F_ARG_SLOT; entries >= F_ARG_ROWS are refused:
+    E_BAD_SLOT), topk_weights fp32 [T, K] (F_ARG_W)."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
     tidx, rl, lb, rank = block_rank(rank0, cpr)
@@ -83,8 +88,9 @@ def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, sk
     out = mTab[pb.F_ARG_Y, rank]
     ins = [mTab[pb.F_AR_IN, r] for r in range(W)]
     if rank != skip_rank:
-        if cutlass.const_expr(algo == FUSED):  # local combine -> this rank's F_AR_IN
+        if cutlass.const_expr(algo == COMBINE):  # local combine -> this rank's F_AR_IN
             ey = mTab[pb.F_ARG_EY, rank]
+            rows = Int32(mTab[pb.F_ARG_ROWS, rank])
             slots = i32_at(mTab[pb.F_ARG_SLOT, rank])
             wts = cute.make_ptr(Float32, mTab[pb.F_ARG_W, rank], GMEM, assumed_align=4)
             for c in cutlass.range(first, n, stride):
@@ -93,36 +99,39 @@ def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, sk
                 acc = cute.full((vec_elems(dtype),), 0.0, Float32)
                 for j in cutlass.range_constexpr(K):
                     slot = cute.arch.load(slots + t * K + j, Int32)
-                    if slot >= 0:
-                        acc = acc + (vec_at(ey, slot, v, nv, dtype).load().to(Float32)
-                                     * cute.arch.load(wts + t * K + j, Float32))
+                    if slot >= 0:  # -1: expert not on this rank
+                        if in_range(slot, rows, err, Int32(E_BAD_SLOT), Int32(-1)):
+                            acc = acc + (vec_at(ey, slot, v, nv, dtype).load().to(Float32)
+                                         * cute.arch.load(wts + t * K + j, Float32))
                 vec_at(mTab[pb.F_AR_IN, rank], 0, c, nv, dtype).store(acc.to(dtype))
-        cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch, tidx, err, timeout_ns, max_spins,
-                           Int32(7), W)
-        if cutlass.const_expr(algo != TWOSHOT):
-            for c in cutlass.range(first, n, stride):
-                vec_at(out, 0, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
         else:
-            per = (n + (W - 1)) // W
-            lo = rank * per
-            mine = n - lo
-            mine = per if mine > per else mine
-            mid = mTab[pb.F_AR_MID, rank]
-            for q in cutlass.range(first, mine, stride):
-                vec_at(mid, 0, lo + q, nv, dtype).store(sum_peers(ins, lo + q, nv, dtype).to(dtype))
-            cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + 1, tidx, err, timeout_ns,
-                               max_spins, Int32(8), W)
-            for u in cutlass.range_constexpr(W):
-                s = (rank + u) % W
-                slo = s * per
-                cnt = n - slo
-                cnt = per if cnt > per else cnt
-                src = mTab[pb.F_AR_MID, s]
-                for q in cutlass.range(first, cnt, stride):
-                    vec_at(out, 0, slo + q, nv, dtype).store(
-                        vec_at(src, 0, slo + q, nv, dtype).load())
-        cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + (2 if algo == TWOSHOT else 1), tidx,
-                           err, timeout_ns, max_spins, Int32(9), W)
+            cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch, tidx, err, timeout_ns, max_spins,
+                               Int32(7), W)
+            if cutlass.const_expr(algo != TWOSHOT):
+                for c in cutlass.range(first, n, stride):
+                    vec_at(out, 0, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
+            else:
+                per = (n + (W - 1)) // W
+                lo = rank * per
+                mine = n - lo
+                mine = per if mine > per else mine
+                mid = mTab[pb.F_AR_MID, rank]
+                for q in cutlass.range(first, mine, stride):
+                    vec_at(mid, 0, lo + q, nv, dtype).store(
+                        sum_peers(ins, lo + q, nv, dtype).to(dtype))
+                cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + 1, tidx, err, timeout_ns,
+                                   max_spins, Int32(8), W)
+                for u in cutlass.range_constexpr(W):
+                    s = (rank + u) % W
+                    slo = s * per
+                    cnt = n - slo
+                    cnt = per if cnt > per else cnt
+                    src = mTab[pb.F_AR_MID, s]
+                    for q in cutlass.range(first, cnt, stride):
+                        vec_at(out, 0, slo + q, nv, dtype).store(
+                            vec_at(src, 0, slo + q, nv, dtype).load())
+            cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + (2 if algo == TWOSHOT else 1),
+                               tidx, err, timeout_ns, max_spins, Int32(9), W)
 
 
 @cute.jit
@@ -133,14 +142,15 @@ def allreduce_entry(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, ski
                     dtype: Constexpr):
     allreduce_kernel(mTab, T, epoch, rank0, skip_rank, timeout_ns,
                      max_spins, algo, hidden, K, W, cpr, dtype).launch(
-        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream, cooperative=True)
+        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
+        cooperative=algo != COMBINE)
 
 
 @functools.lru_cache(maxsize=None)
 def compile_allreduce(algo: int, hidden: int, top_k: int, world: int, cpr: int, n_local: int,
                       dtype: str, arch: str | None = None):
-    """Compiled TVM-FFI all-reduce (algo ONESHOT | TWOSHOT | FUSED). Call: f(table, T, epoch,
-    rank0, skip_rank, timeout_ns, max_spins) (output and fused inputs in F_ARG_* rows)."""
+    """Compiled TVM-FFI launch of algo ONESHOT | TWOSHOT | COMBINE. Call: f(table, T, epoch,
+    rank0, skip_rank, timeout_ns, max_spins) (output and combine inputs in F_ARG_* rows)."""
     return compile_tvm(
         allreduce_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
         Int32(-1), Int64(1), Int32(1), fake_stream(), algo, hidden, top_k, world, cpr, n_local,
@@ -167,7 +177,7 @@ def _launch(bufs, algo_code, T, out, args, timeout_s, max_spins, check, skip_ran
     s = bufs.spec
     ns, spins = wait_bounds(timeout_s, max_spins)
     bufs.set_args({pb.F_ARG_Y: [o.data_ptr() for o in out], **args})
-    epoch = bufs.take_sig_epochs(3 if algo_code == TWOSHOT else 2)
+    epoch = bufs.take_sig_epochs(SIG_EPOCHS[algo_code])
     cpr = ctas_per_rank(bufs.n_local, True)
     f = compile_allreduce(algo_code, s.hidden, s.top_k, s.world_size, cpr, bufs.n_local,
                           str(s.dtype).removeprefix("torch."))
@@ -232,14 +242,20 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
                           out: torch.Tensor | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                           max_spins: int | None = None, check: bool = True,
                           skip_rank: int = -1) -> torch.Tensor:
-    """Decode tp combine in ONE launch: out[r] = sum over ranks of reference.combine(expert_y_r,
-    token_slot_r, topk_weights) (partials rounded to the buffers' dtype, summed in fp32).
+    """Decode tp combine + all-reduce (two launches: COMBINE into F_AR_IN, then the one-shot):
+    out[r] = sum over ranks of reference.combine(expert_y_r, token_slot_r, topk_weights)
+    (partials rounded to the buffers' dtype, summed in fp32).
 
     Args:
         expert_y: n_local tensors [N_r, H] (expert-major rows of each local rank).
         token_slot: int32 [n_local, T, k] rows of expert_y per (t, j), -1 = not on that rank.
         topk_weights: fp32 [T, k] (replicated tokens: the same on every rank).
-    Returns out [n_local, T, H]. Raises as all_reduce.
+    Returns out [n_local, T, H].
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices, T > max_tokens_per_rank; before launching.
+        PeerDataError: a token_slot entry >= N_r (refused on the device, nothing read with it).
+        PeerTimeoutError: a peer never reached a barrier (names rank, phase, peer).
     """
     s = bufs.spec
     bufs.check_usable()
@@ -250,7 +266,7 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
         raise ValueError(f"token_slot must be int32 [{bufs.n_local}, T, {s.top_k}] and "
                          f"topk_weights fp32 [T, {s.top_k}]; got {token_slot.dtype} "
                          f"{tuple(token_slot.shape)}, {topk_weights.dtype} {tuple(topk_weights.shape)}")
-    if len(eys) != bufs.n_local or any(e.dtype != s.dtype or e.shape[-1] != s.hidden
+    if len(eys) != bufs.n_local or any(e.dim() != 2 or e.dtype != s.dtype or e.shape[1] != s.hidden
                                        or not e.is_contiguous() for e in eys):
         raise ValueError(f"expert_y: {bufs.n_local} contiguous {s.dtype} [N, {s.hidden}] tensors")
     if any(t.device != bufs.device for t in eys + [token_slot, topk_weights]):
@@ -261,9 +277,12 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
         return out
     slot = token_slot.contiguous()
     w = topk_weights.contiguous()
-    args = {pb.F_ARG_EY: [e.data_ptr() for e in eys], pb.F_ARG_SLOT: [t.data_ptr() for t in slot],
+    args = {pb.F_ARG_EY: [e.data_ptr() for e in eys], pb.F_ARG_ROWS: [e.shape[0] for e in eys],
+            pb.F_ARG_SLOT: [t.data_ptr() for t in slot],
             pb.F_ARG_W: [w.data_ptr()] * bufs.n_local}
-    out = _launch(bufs, FUSED, T, out, args, timeout_s, max_spins, check, skip_rank,
+    _launch(bufs, COMBINE, T, out, args, timeout_s, max_spins, False, skip_rank,
+            "tp_combine_all_reduce")  # (errors checked once, after the one-shot)
+    out = _launch(bufs, ONESHOT, T, out, {}, timeout_s, max_spins, check, skip_rank,
                   "tp_combine_all_reduce")
     del slot, w  # (stream-ordered frees: safe while the kernel runs)
     return out

@@ -8,9 +8,12 @@ With the dispatch of epoch e (ep_dispatch.py) and expert outputs expert_y_r [>= 
   REDUCE  (source s) per token t: threads j < k acquire-poll ret_flag_s[dest(t,j), i(t,j) //
           chunk] >= e, then y[t] = sum_j w[t, j] * ret_s[t*k+j] in fp32, j = 0..k-1, cast once
           (the order of reference.combine).
-Modes: "decode" = one cooperative launch (SEND then REDUCE: the waits only need co-residency),
-"prefill" = two launches. Waits are bounded; a timeout raises PeerTimeoutError naming the rank,
-the phase and the expert owner waited for.
+Launches: SEND, then REDUCE, in both modes; "decode" (after a decode dispatch) uses the
+dispatch's per-token chunks and one CTA per SM in all, "prefill" per-chunk flags and a grid >>
+SMs. SEND and REDUCE in ONE launch faulted on the H200 ("illegal memory access", see the Status
+paragraph of ep_dispatch.py), so the kernel boundary separates them; the REDUCE still waits on
+the flags (a real peer's SEND runs on another GPU). Waits are bounded; a timeout raises
+PeerTimeoutError naming the rank, the phase and the expert owner waited for.
 
 Buffer reuse without memset: r writes ret_s again only in combine e+1, after its dispatch e+1
 saw s's inbox flag e+1, which s raised after finishing this combine.
@@ -28,13 +31,13 @@ import cuda.bindings.driver as cuda
 from cutlass import Constexpr, Float32, Int32, Int64
 
 from ..comm import peer_buffers as pb
-from .ep_dispatch import EPDispatchHandle, row_addrs
+from .ep_dispatch import E_BAD_ID, EPDispatchHandle, row_addrs
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, chunk_of,
                         compile_tvm, copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at,
-                        vec_at, vec_elems, wait_bounds, wait_ge)
+                        in_range, vec_at, vec_elems, wait_bounds, wait_ge)
 
 PH_CSEND, PH_CREDUCE = 1, 2
-PH_CALL = PH_CSEND | PH_CREDUCE
+E_BAD_ITEM = 20  # error code of a refused value (peer_buffers.PHASES)
 
 
 def _ld(p):
@@ -83,6 +86,7 @@ def combine_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip
             ey = mTab[pb.F_ARG_EY, rank]
             meta = i32_at(mTab[pb.F_RECV_META, rank])
             pos = i32_at(mTab[pb.F_POS, rank])
+            items = S // min(K, E_l) * K  # rows of F_RET_X: max_tokens_per_rank * K
             for g in cutlass.range(lb, total, cpr):
                 s, c, n, _t = chunk_of(g, rank, counts, chunk, W)
                 ret = mTab[pb.F_RET_X, s]
@@ -90,8 +94,9 @@ def combine_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip
                     i = c * chunk + q
                     if i < n:
                         row = s * S + i
-                        copy_row(ey, _ld(pos + row), ret, _ld(meta + row * 2 + 1), tidx,
-                                 threads, nv, dtype)
+                        item = _ld(meta + row * 2 + 1)
+                        if in_range(item, items, err, Int32(E_BAD_ITEM), s):
+                            copy_row(ey, _ld(pos + row), ret, item, tidx, threads, nv, dtype)
                 cute.arch.sync_threads()
                 if tidx == 0:
                     cute.arch.store(i32_at(mTab[pb.F_RET_FLAG, s]) + (rank * S + c), epoch,
@@ -106,9 +111,10 @@ def combine_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip
             for t in cutlass.range(lb, T, cpr):
                 if tidx < K:
                     e = _ld(ids + t * K + tidx)
-                    r = e // E_l
-                    wait_ge(rflag + (r * S + _ld(stage + t * K + tidx) // chunk), epoch, err,
-                            timeout_ns, max_spins, Int32(6), r)
+                    if in_range(e, Int32(W * E_l), err, Int32(E_BAD_ID), Int32(-1)):
+                        r = e // E_l
+                        wait_ge(rflag + (r * S + _ld(stage + t * K + tidx) // chunk), epoch,
+                                err, timeout_ns, max_spins, Int32(6), r)
                 cute.arch.sync_threads()
                 ws = [cute.arch.load(wts + t * K + j, Float32) for j in range(K)]
                 weighted_rows([ret] * K, [t * K + j for j in range(K)], ws, y, t, tidx,
@@ -123,14 +129,13 @@ def combine_entry(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_
                   cpr: Constexpr[int], n_local: Constexpr[int], dtype: Constexpr):
     combine_kernel(mTab, epoch, S, rank0, skip_rank, timeout_ns,
                    max_spins, phases, hidden, K, W, E_l, chunk, cpr, dtype).launch(
-        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
-        cooperative=phases == PH_CALL)
+        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
 @functools.lru_cache(maxsize=None)
 def compile_combine(phases: int, hidden: int, top_k: int, world: int, local_experts: int,
                     chunk: int, cpr: int, n_local: int, dtype: str, arch: str | None = None):
-    """Compiled TVM-FFI combine (PH_CALL = decode, one PH_C* = one prefill launch). Call:
+    """Compiled TVM-FFI combine, one phase (PH_CSEND or PH_CREDUCE) per launch. Call:
     f(table, epoch, S, rank0, skip_rank, timeout_ns, max_spins) (inputs in F_ARG_* rows)."""
     return compile_tvm(
         combine_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
@@ -153,7 +158,8 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
         out: optional [sum T_r, H] output. Others: see ep_dispatch.
 
     Raises:
-        ValueError: stale handle, bad shapes (before launching). PeerTimeoutError: see ep_dispatch.
+        ValueError: stale handle, bad shapes (before launching).
+        PeerTimeoutError / PeerDataError: see ep_dispatch.
     """
     s = bufs.spec
     bufs.check_usable()
@@ -186,7 +192,7 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
     dname = str(s.dtype).removeprefix("torch.")
     decode = handle.mode == "decode"
     cpr = ctas_per_rank(bufs.n_local, decode)
-    for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE)):
+    for ph in (PH_CSEND, PH_CREDUCE):
         f = compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
                             handle.chunk, cpr, bufs.n_local, dname)
         bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)

@@ -47,9 +47,20 @@ Topology hook (dp_nvlink `cute` backend; topologies/dp_nvlink.py is not this fil
 expert_x is the full-capacity view [xout_rows, H] (rows past expert_offsets[-1] unspecified),
 so the experts must honour expert_offsets and expert_y must have >= xout_rows rows.
 
-Status (issue 5 session): compiled for sm_90a/sm_100a and PTX-checked; on the H200 the
-virtual-rank runs of this dispatch faulted (illegal address) natively while the same calls
-passed under compute-sanitizer; see the issue-5 report. Not yet trustworthy on a GPU.
+Status (issue 5, H200, W in {2, 4, 8} virtual ranks): this dispatch (both modes), ep_combine
+and the tp all-reduce equal their torch references in tests/gpu/test_multirank_virtual_gpu.py
+(uneven tokens with a zero rank, 200 back-to-back calls, withheld rank -> PeerTimeoutError,
+out-of-range ids/slots -> PeerDataError). The "illegal memory access" reported earlier was not in
+this dispatch: it came from the decode combine (SEND + REDUCE in one launch) and the fused tp
+combine + one-shot, i.e. kernels that wrote rows and then polled flags set by other CTAs of the
+same launch. It happened on every native run, with or without a cooperative launch, with a
+smaller grid, with a device sync around each launch; never with the two phases in separate
+launches or under compute-sanitizer. A GPU core dump put it on the REDUCE's first
+ld.acquire.sys poll, at an address (lane 0) that decodes to ret_flag[rank 1][9], inside the
+peer heap; the SASS address arithmetic matches the design. The mechanism below the ISA is not
+known, so those operations are now two launches each (the kernel boundary separates writing the
+rows from polling their flags). This decode dispatch still writes and polls in one launch and
+passed every run. Not run yet: real NVLink peers (PeerBuffers.from_process_group).
 """
 from __future__ import annotations
 
@@ -66,7 +77,7 @@ from cutlass import Constexpr, Int32, Int64
 
 from ..comm import peer_buffers as pb
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
-                        copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at,
+                        copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at, in_range,
                         rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
 
 PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV = 1, 2, 4, 8
@@ -75,6 +86,8 @@ PREFILL_PHASES = (PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV)
 DECODE_MAX_TOKENS = 128     # auto mode: decode up to this many tokens on the busiest rank
 DECODE_CHUNK = 1            # per-token release flags
 PREFILL_CHUNK = 4           # one flag per 4 staging rows
+# error codes of refused values (peer_buffers.PHASES)
+E_BAD_ID, E_OVERFLOW, E_BAD_COUNT, E_BAD_ROW = 16, 17, 18, 19
 
 
 def _ld(p):
@@ -118,7 +131,8 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                                     sem="release", scope="sys")
             for i in cutlass.range(lb * threads + tidx, T * K, stride):
                 e = _ld(ids + i)
-                cute.arch.store(stage + i, cute.arch.atomic_add(cnt + e, Int32(1)))
+                if in_range(e, Int32(W * E_l), err, Int32(E_BAD_ID), Int32(-1)):
+                    cute.arch.store(stage + i, cute.arch.atomic_add(cnt + e, Int32(1)))
         if cutlass.const_expr((phases & PH_COUNT) and (phases & PH_PUBLISH)):
             rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, timeout_ns, max_spins,
                               Int32(1))
@@ -133,15 +147,16 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                 acc = Int32(0)
                 for u in cutlass.range(tidx * E_l, tidx * E_l + E_l, 1):
                     acc = acc + _ld(cnt + u)
-                sN[tidx] = acc
-                if lb == 0:
-                    cute.arch.store(nsend + tidx, acc)
+                if lb == 0:  # rows past S are refused below (E_OVERFLOW): never sent
+                    cute.arch.store(nsend + tidx, acc if acc < S else S)
             cute.arch.sync_threads()
             for i in cutlass.range(lb * threads + tidx, T * K, stride):
                 e = _ld(ids + i)
-                si = sA[e] + _ld(stage + i)
-                cute.arch.store(stage + i, si)
-                cute.arch.store(inv + (e // E_l) * S + si, i)
+                if (e >= 0) & (e < W * E_l):  # (COUNT recorded E_BAD_ID)
+                    si = sA[e] + _ld(stage + i)
+                    if in_range(si, S, err, Int32(E_OVERFLOW), e // E_l):
+                        cute.arch.store(stage + i, si)
+                        cute.arch.store(inv + (e // E_l) * S + si, i)
             if lb == 0:
                 if tidx < W:  # dest tidx finished reading our previous counts
                     wait_ge(i32_at(mTab[pb.F_ACK, rank]) + tidx, epoch - 1, err, timeout_ns,
@@ -202,7 +217,7 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                 acc = Int32(0)
                 for u in cutlass.range(tidx * E_l, tidx * E_l + E_l, 1):
                     acc = acc + sC[u]
-                sN[tidx] = acc
+                sN[tidx] = acc if in_range(acc, S + 1, err, Int32(E_BAD_COUNT), tidx) else 0
             cute.arch.sync_threads()
             offs = i32_at(mTab[pb.F_OFFS, rank])
             for le in cutlass.range(tidx, E_l + 1, threads):
@@ -235,6 +250,7 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
             meta = i32_at(mTab[pb.F_RECV_META, rank])
             pos = i32_at(mTab[pb.F_POS, rank])
             cflag = i32_at(mTab[pb.F_CHUNK_FLAG, rank])
+            xcap = W * S + E_l * (align - 1)  # rows of F_XOUT
             for g in cutlass.range(lb, total, cpr):
                 s, c, n, _t = chunk_of(g, rank, counts, chunk, W)
                 if tidx == 0:
@@ -246,10 +262,12 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                     if ok & (i < n):
                         row = s * S + i
                         le = _ld(meta + row * 2)
-                        p = sB[s * E_l + le] + i
-                        copy_row(recv, row, xout, p, tidx, threads, nv, dtype)
-                        if tidx == 0:
-                            cute.arch.store(pos + row, p)
+                        if in_range(le, Int32(E_l), err, Int32(E_BAD_ROW), s):
+                            p = sB[s * E_l + le] + i
+                            if in_range(p, xcap, err, Int32(E_BAD_ROW), s):
+                                copy_row(recv, row, xout, p, tidx, threads, nv, dtype)
+                                if tidx == 0:
+                                    cute.arch.store(pos + row, p)
 
 
 @cute.jit
@@ -368,6 +386,8 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
 
     Raises:
         ValueError / TypeError: bad inputs, before anything is launched.
+        PeerDataError (check=True): a topk_ids entry outside [0, E), or more rows for one
+            destination than the buffers hold (repeated ids in a token); refused on the device.
         PeerTimeoutError: a wait timed out (names rank, phase and peer); bufs need reset().
     """
     s = bufs.spec

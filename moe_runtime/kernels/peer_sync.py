@@ -114,6 +114,17 @@ def wait_ge(flag: cute.Pointer, target: Int32, err: Int64, timeout_ns: Int64, ma
 
 
 @cute.jit
+def in_range(v: Int32, hi: Int32, err: Int64, phase: Int32, peer: Int32):
+    """v in [0, hi)? If not, record (phase, peer, expected=hi, seen=v) as this rank's error, so a
+    bad input or a corrupt peer value becomes a Python exception instead of an illegal address.
+    Returns the (dynamic) boolean."""
+    ok = (v >= 0) & (v < hi)
+    if not ok:
+        record_error(err, phase, peer, hi, v)
+    return ok
+
+
+@cute.jit
 def signal_release(flag: cute.Pointer, value: Int32, tidx: Int32):
     """After every thread's stores of this CTA (bar.sync), thread 0 publishes `value` with a
     st.release.sys (cumulative: covers the CTA's prior stores, CUTEDSL.md recipe 4)."""
@@ -126,8 +137,10 @@ def signal_release(flag: cute.Pointer, value: Int32, tidx: Int32):
 def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int32, err: Int64,
                       timeout_ns: Int64, max_spins: Int32, phase: Int32):
     """Barrier among the cpr CTAs of one rank (CUTEDSL.md recipe 5 bit-31 flip, self-resetting,
-    one word per rank). Needs the CTAs co-resident (cooperative launch, P15). Bounded: a
-    timeout records (phase, peer=-1) and leaves the word dirty (reset() clears it)."""
+    one word per rank). Needs the CTAs co-resident (cooperative launch, P15). Bounded by TWICE
+    timeout_ns / max_spins: a CTA held up by a peer wait (bound 1x) reports that peer first and
+    the barrier waiters then stop on its error; a barrier timeout of its own records
+    (phase, peer=-1) and leaves the word dirty (reset() clears it)."""
     cute.arch.sync_threads()
     if tidx == 0:
         bar = cute.make_ptr(Uint32, bar_addr, GMEM, assumed_align=4)
@@ -145,7 +158,8 @@ def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int
             cur = cute.arch.load(bar, Uint32, sem="acquire", scope="gpu")
             n = n + 1
             aborted = cute.arch.load(i32_at(err), Int32, sem="relaxed", scope="gpu") != 0
-            stop = aborted | (n >= max_spins) | ((cute.arch.globaltimer() - t0) > timeout_ns)
+            late = (cute.arch.globaltimer() - t0) > timeout_ns * 2
+            stop = aborted | (n >= max_spins * 2) | late
         if ((old ^ cur) & Uint32(0x80000000)) == Uint32(0):
             record_error(err, phase, Int32(-1), Int32(cpr), Int32(cur & Uint32(0x7FFFFFFF)))
         cute.arch.fence_acq_rel_gpu()
@@ -225,22 +239,32 @@ def sm_count() -> int:
 # ------------------------------------------------------------------------------ host helpers
 DEFAULT_TIMEOUT_S = 10.0
 THREADS = 256          # threads per CTA of every multi-rank kernel
+MAX_SPINS = 0x3FFFFFFF  # grid barriers wait up to 2 * max_spins polls: keep that inside int32
+MAX_TIMEOUT_S = 3600.0
 
 
 def wait_bounds(timeout_s: float, max_spins: int | None) -> tuple[int, int]:
     """(timeout_ns, max_spins) kernel arguments. max_spins defaults to one poll per 100 ns of
     timeout (each poll sleeps >= SLEEP_NS and loads twice), so a timer that overshoots
-    (CUTEDSL.md §16) still ends within a small multiple of timeout_s."""
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    (CUTEDSL.md §16) still ends within a small multiple of timeout_s.
+
+    Raises:
+        ValueError: timeout_s not in (0, MAX_TIMEOUT_S], max_spins not in [1, MAX_SPINS].
+    """
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}")
     ns = int(timeout_s * 1e9)
-    spins = max(1, min(0x7FFFFFFF, ns // 100)) if max_spins is None else int(max_spins)
-    return ns, spins
+    if max_spins is None:
+        return ns, max(1, min(MAX_SPINS, ns // 100))
+    if not 1 <= int(max_spins) <= MAX_SPINS:
+        raise ValueError(f"max_spins must be in [1, {MAX_SPINS}], got {max_spins}")
+    return ns, int(max_spins)
 
 
-def ctas_per_rank(n_local: int, fused: bool) -> int:
-    """CTAs per rank: fused (cooperative, grid barrier) launches put one CTA per SM in all;
-    split launches 4 per SM (grid >> SMs is fine there: no in-kernel barrier)."""
+def ctas_per_rank(n_local: int, one_per_sm: bool) -> int:
+    """CTAs per rank: one_per_sm puts one CTA per SM in all (needed by the cooperative launches
+    whose CTAs wait on each other: decode dispatch, one-/two-shot; also the decode combine);
+    otherwise 4 per SM (prefill launches: no wait on a CTA of the same launch)."""
     sms = sm_count()
-    per = sms // n_local if fused else 4 * sms // n_local
+    per = sms // n_local if one_per_sm else 4 * sms // n_local
     return max(1, min(per, 1024))
