@@ -71,7 +71,7 @@ def measure(name: str, T: int, bw: float, flops: float, sweep: bool) -> dict:
     ex, off, _ = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
     rows = T * k
     a, b = fast(ex, off)[:rows].double(), ref(ex, off)[:rows].double()
-    res = {"shape": name, "T": T, "rows": rows, "quack_path": fast._quack(ex),
+    res = {"shape": name, "T": T, "rows": rows, "quack_path": fast._quack(ex.device, ex.dtype),
            "quack_us": timed_us(lambda y: fast(y, off), [ex]),
            "torch_us": timed_us(lambda y: ref(y, off), [ex]),
            "flops_floor_us": 2 * rows * 3 * H * I / flops * 1e6,

@@ -134,14 +134,14 @@ class Experts(nn.Module):
                 and x.dtype in (torch.bfloat16, torch.float16) and self.use_grouped_mm is not False
                 and self._rows_16b_aligned(x.dtype) and resolve_backend(self.backend, x.device) == "cute")
 
-    def _quack(self, x: torch.Tensor) -> bool:
+    def _quack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused
         into the gate/up epilogue (kernels/grouped_gemm.py). Not under torch.compile: quack
         traces only its autotuned variant there, so compiled graphs keep torch._grouped_mm."""
-        return (x.device.type == "cuda" and self.use_grouped_mm is not False
+        return (device.type == "cuda" and self.use_grouped_mm is not False
                 and not torch.compiler.is_compiling()
-                and self._rows_16b_aligned(x.dtype) and quack_supported(x.device.index, x.dtype)
-                and resolve_backend(self.backend, x.device) == "cute")
+                and self._rows_16b_aligned(dtype) and quack_supported(device.index, dtype)
+                and resolve_backend(self.backend, device) == "cute")
 
     def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
         """expert_x [N, H] expert-major, expert_offsets int32 [E_local+1] -> [N, H].
@@ -154,7 +154,7 @@ class Experts(nn.Module):
             ops = get_ops("cute")
             act = ops.expert_gemv(expert_x, expert_offsets, self.gate_up_proj, swiglu=True)
             return ops.expert_gemv(act, expert_offsets, self.down_proj, swiglu=False)
-        if self._quack(expert_x):
+        if self._quack(expert_x.device, expert_x.dtype):
             act = swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj)
             return grouped_gemm(act, expert_offsets, self.down_proj)
         grouped = self._grouped(expert_x.device, expert_x.dtype)
@@ -169,10 +169,8 @@ class Experts(nn.Module):
         device = torch.device(device)
         if device.type == "cpu":
             return True
-        probe = torch.empty(0, self.gate_up_proj.shape[-1], dtype=dtype, device=device)
-        if self._quack(probe):
-            return True
-        return self._grouped(device, dtype) and grouped_mm_host_sync_free(device, dtype)
+        return self._quack(device, dtype) or (
+            self._grouped(device, dtype) and grouped_mm_host_sync_free(device, dtype))
 
 
 class SharedExpert(nn.Module):

@@ -35,10 +35,12 @@ def quack_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def quack_supported(device_index: int, dtype: torch.dtype) -> bool:
+def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
     """Whether the quack grouped GEMM runs here: quack importable, sm_90 or sm_100 (its SM90
     and SM100 kernels), 16-bit operands."""
     if dtype not in (torch.bfloat16, torch.float16) or not quack_available():
+        return False
+    if not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
 
