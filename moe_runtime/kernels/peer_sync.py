@@ -2,11 +2,14 @@
 release/acquire waits with an error record, a rank-local grid barrier, a cross-rank per-CTA
 barrier, 16-byte vector access at int64 addresses, and the compile helper.
 
-NOTE for merging: moe_runtime/sync/ (kernel team) was not committed when this was written; the
-waits here differ from it in three ways the multi-rank protocol needs: flags at *system* scope,
-a wait that also stops when its rank already recorded an error (so a withheld peer costs one
-timeout, not one per flag), and an iteration cap next to the %globaltimer bound (CUTEDSL.md
-§16: timer-based bounds overshoot 50 ms -> 3 s on the H200 machines). Fold into sync/ later.
+The per-rank grid barrier runs the bit-31 barrier core of moe_runtime/sync/grid_barrier.py
+(`arrive_and_wait`) over the cpr CTAs of one rank. The flag waits stay here because they differ
+from the local kernels' needs in three ways the multi-rank protocol relies on: flags at *system*
+scope, a wait that also stops when its rank already recorded an error (so a withheld peer costs
+one timeout, not one per flag), and errors kept per rank in the peer heap (phase, peer,
+expected, seen) rather than in the host-mapped flags of sync/host.py. Every wait has an
+iteration cap next to the %globaltimer bound (CUTEDSL.md §16: timer-based bounds overshoot
+50 ms -> 3 s on the H200 machines).
 
 Addresses: every buffer is reached through an Int64 address (peer pointer or local), never a
 cute tensor of dynamic extent, and row offsets are computed in Int64 (rows * H overflows int32
@@ -22,6 +25,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float16, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.experimental.primitives import nanosleep
+
+from ..sync.grid_barrier import arrive_and_wait
 
 GMEM = cute.AddressSpace.gmem
 VEC_BYTES = 16
@@ -144,23 +149,10 @@ def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int
     cute.arch.sync_threads()
     if tidx == 0:
         bar = cute.make_ptr(Uint32, bar_addr, GMEM, assumed_align=4)
-        inc = Uint32(1)
-        if lb == 0:
-            inc = Uint32(0x80000000) - Uint32(cpr - 1)
         cute.arch.fence_acq_rel_gpu()
-        old = cute.arch.atomic_add(bar, inc, sem="release", scope="gpu")
-        t0 = cute.arch.globaltimer()
-        cur = cute.arch.load(bar, Uint32, sem="acquire", scope="gpu")
-        n = Int32(0)
-        stop = False
-        while ((old ^ cur) & Uint32(0x80000000)) == Uint32(0) and not stop:
-            nanosleep(SLEEP_NS)
-            cur = cute.arch.load(bar, Uint32, sem="acquire", scope="gpu")
-            n = n + 1
-            aborted = cute.arch.load(i32_at(err), Int32, sem="relaxed", scope="gpu") != 0
-            late = (cute.arch.globaltimer() - t0) > timeout_ns * 2
-            stop = aborted | (n >= max_spins * 2) | late
-        if ((old ^ cur) & Uint32(0x80000000)) == Uint32(0):
+        timed_out, cur = arrive_and_wait(bar, lb == 0, Uint32(cpr), max_spins * 2, timeout_ns * 2,
+                                         err, SLEEP_NS)
+        if timed_out:
             record_error(err, phase, Int32(-1), Int32(cpr), Int32(cur & Uint32(0x7FFFFFFF)))
         cute.arch.fence_acq_rel_gpu()
     cute.arch.sync_threads()

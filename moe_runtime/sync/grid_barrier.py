@@ -26,6 +26,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32, Int64, Uint32
+from cutlass.experimental.primitives import nanosleep
 
 from .ordered import atomic_add_acq_rel, atomic_add_release, fence_gpu, ld_acquire, mapped_i32, \
     st_relaxed
@@ -40,6 +41,41 @@ def record_error(err_addr: Int64, site: Constexpr[int]):
         errs = mapped_i32(err_addr)
         st_relaxed(errs + site, Int32(1), "sys")
         cute.arch.atomic_add(errs, Int32(1), scope="sys")
+
+
+@cute.jit
+def arrive_and_wait(bar: cute.Pointer, leader, nblocks: Uint32, max_iters: Int32,
+                    timeout_ns: Int64, abort_addr: Int64, SLEEP_NS: Constexpr[int]):
+    """One thread per block: arrive at the bit-31 barrier word `bar`, then wait for the flip.
+
+    The leader block adds 2^31 - (nblocks - 1), every other block 1 (release); the thread then
+    acquire-polls until bit 31 differs from the value its own atomic returned. It gives up after
+    `max_iters` polls, after `timeout_ns` of %globaltimer, or, when `abort_addr` != 0, as soon as
+    the int32 there is nonzero (an error already recorded elsewhere). SLEEP_NS > 0 backs off with
+    nanosleep between polls. Shared by `grid_barrier` (whole grid) and the multi-rank kernels'
+    per-rank barrier (kernels/peer_sync.rank_grid_barrier: the cpr CTAs of one rank).
+
+    Returns:
+        (timed_out Boolean, last value read Uint32).
+    """
+    inc = Uint32(1)
+    if leader:
+        inc = Uint32(PHASE_BIT) - (nblocks - Uint32(1))
+    old = atomic_add_release(bar, inc)
+    t0 = cute.arch.globaltimer()
+    cur = ld_acquire(bar)
+    polls = Int32(0)
+    stop = False
+    while ((old ^ cur) & Uint32(PHASE_BIT)) == Uint32(0) and not stop:
+        if cutlass.const_expr(SLEEP_NS > 0):
+            nanosleep(SLEEP_NS)
+        cur = ld_acquire(bar)
+        polls = polls + 1
+        stop = (polls >= max_iters) | ((cute.arch.globaltimer() - t0) > timeout_ns)
+        if abort_addr != Int64(0):
+            abort = cute.make_ptr(Int32, abort_addr, cute.AddressSpace.gmem, assumed_align=4)
+            stop = stop | (cute.arch.load(abort, Int32, sem="relaxed", scope="gpu") != 0)
+    return ((old ^ cur) & Uint32(PHASE_BIT)) == Uint32(0), cur
 
 
 @cute.jit
@@ -62,24 +98,12 @@ def grid_barrier(bar: cute.Pointer, s_flag: cute.Pointer, err_addr: Int64, max_i
     if tidx == 0:
         bidx, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
-        inc = Uint32(1)
-        if bidx == 0:
-            inc = Uint32(PHASE_BIT) - (Uint32(nblk) - Uint32(1))
         fence_gpu()
-        old = atomic_add_release(bar, inc)
-        t0 = cute.arch.globaltimer()
-        cur = ld_acquire(bar)
-        waiting = ((old ^ cur) & Uint32(PHASE_BIT)) == Uint32(0)
-        polls = Int32(0)
-        in_time = True
-        while waiting and in_time:
-            cur = ld_acquire(bar)
-            waiting = ((old ^ cur) & Uint32(PHASE_BIT)) == Uint32(0)
-            polls = polls + 1
-            in_time = polls < max_iters and (cute.arch.globaltimer() - t0) <= timeout_ns
+        timed_out, _ = arrive_and_wait(bar, bidx == 0, Uint32(nblk), max_iters, timeout_ns,
+                                       Int64(0), 0)
         fence_gpu()
         ok = Int32(1)
-        if waiting:
+        if timed_out:
             ok = Int32(0)
             record_error(err_addr, site)
         cute.arch.store(s_flag, ok)
