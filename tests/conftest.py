@@ -1,4 +1,5 @@
-"""Shared pytest set-up: GPU tests skip with a reason where CUDA is absent."""
+"""Shared pytest set-up: GPU tests skip with a reason where CUDA is absent; `recorded` records
+the multi-rank kernels' launches for CPU tests of their host code."""
 import pytest
 import torch
 
@@ -10,3 +11,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The multi-rank kernels' launches, recorded instead of compiled (see _recorded.py), with
+    the 132 SMs of an H200 for the grid sizes."""
+    pytest.importorskip("cutlass")
+    from _recorded import record_launches
+    from moe_runtime.kernels import peer_sync
+    monkeypatch.setenv("MOE_RUNTIME_SMS", "132")
+    peer_sync.sm_count.cache_clear()
+    yield record_launches(monkeypatch.setattr)
+    peer_sync.sm_count.cache_clear()

@@ -106,27 +106,6 @@ def test_nvls_off_variables_win(monkeypatch):
 
 
 # ------------------------------------------------------------- host path up to the launch
-@pytest.fixture
-def recorded(monkeypatch):
-    pytest.importorskip("cutlass")
-    from moe_runtime.kernels import allreduce, ep_combine, ep_dispatch
-    monkeypatch.setenv("MOE_RUNTIME_SMS", "132")
-    from moe_runtime.kernels import peer_sync
-    peer_sync.sm_count.cache_clear()
-    calls = []
-
-    def recorder(name):
-        def compile_(*key, **kw):
-            return lambda *args: calls.append((name, key, args))
-        return compile_
-
-    monkeypatch.setattr(ep_dispatch, "compile_dispatch", recorder("dispatch"))
-    monkeypatch.setattr(ep_combine, "compile_combine", recorder("combine"))
-    monkeypatch.setattr(allreduce, "compile_allreduce", recorder("allreduce"))
-    yield calls
-    peer_sync.sm_count.cache_clear()
-
-
 def test_host_paths_pass_the_compiled_signatures(recorded):
     """The kernels take the table and scalars only; every per-call array reaches them through
     the table's F_ARG_* rows, which must hold each local rank's row addresses."""
@@ -175,3 +154,47 @@ def test_host_paths_pass_the_compiled_signatures(recorded):
     assert tab[pb.F_ARG_ROWS].tolist() == [8] * 4  # the kernel refuses slots >= 8
     assert tab[pb.F_ARG_W].tolist() == [w2.data_ptr()] * 4
     assert torch.equal(b.table, b._host_table)
+
+
+def test_allreduce_only_buffers_have_no_all_to_all_rows(recorded):
+    """PeerSpec(all_to_all=False) (the tp topology) sizes the all-reduce fields only, and
+    ep_dispatch refuses such buffers before launching."""
+    from moe_runtime.kernels.ep_dispatch import ep_dispatch
+    b, full = bufs(all_to_all=False), bufs()
+    for f in (pb.F_RECV_X, pb.F_RET_X, pb.F_XOUT, pb.F_POS, pb.F_STAGE):
+        assert b.view(f).numel() == 0 and full.view(f).numel() > 0, pb.FIELD_NAMES[f]
+    for f in (pb.F_AR_IN, pb.F_AR_MID, pb.F_SIG):
+        assert b.view(f).shape == full.view(f).shape, pb.FIELD_NAMES[f]
+    assert b.layout.peer_bytes < full.layout.peer_bytes / 4
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="all_to_all=True"):
+        ep_dispatch(b, x, torch.zeros(4, 4, dtype=torch.int32), [1, 1, 1, 1])
+    assert not recorded
+
+
+def real_rank(spec, rank):
+    """Rank `rank`'s buffers as from_process_group lays them out (n_local = 1), on the CPU; the
+    peers' heap addresses are stand-ins (nothing is launched)."""
+    lay = pb.HeapLayout.of(spec)
+    heaps = [torch.zeros(lay.peer_bytes, dtype=torch.uint8) for _ in range(spec.world_size)]
+    local = torch.zeros(lay.local_bytes, dtype=torch.uint8)
+    return pb.PeerBuffers(spec, "cpu", "ipc", rank, [heaps[rank]], [local],
+                          [h.data_ptr() for h in heaps], keepalive=heaps)
+
+
+def test_real_rank_dispatch_mode_follows_the_token_limit(recorded):
+    """A real rank cannot see its peers' T, and the flag chunk of decode and prefill differs
+    (it is part of the protocol): auto picks the mode from max_tokens_per_rank, not from T."""
+    from moe_runtime.kernels.ep_dispatch import (DECODE_MAX_TOKENS, PH_ALL, PREFILL_PHASES,
+                                                 ep_dispatch)
+    for t_max, want in ((DECODE_MAX_TOKENS, "decode"), (DECODE_MAX_TOKENS + 1, "prefill")):
+        b = real_rank(pb.PeerSpec(2, t_max, 256, 4, 16), rank=1)
+        for T in (0, 1, t_max):
+            recorded.clear()
+            h = ep_dispatch(b, torch.zeros(T, 256, dtype=torch.bfloat16),
+                            torch.zeros(T, 4, dtype=torch.int32))
+            assert h.mode == want, (t_max, T)
+            phases = [c[1][0] for c in recorded]
+            assert phases == ([PH_ALL] if want == "decode" else list(PREFILL_PHASES))
+            assert all(c[2][3] == 1 for c in recorded)  # rank0 = this rank
+            assert b.table[pb.F_ARG_T].tolist() == [0, T]

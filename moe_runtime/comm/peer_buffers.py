@@ -16,8 +16,10 @@ Modes (PeerBuffers.mode):
                 torch symmetric memory (`symm_mem.empty` + `rendezvous`; handle.buffer_ptrs).
     "ipc"       same, peer heap exchanged as CUDA IPC handles over the group (all_gather_object).
                 Real modes have n_local = 1, rank0 = the group rank.
-    Real modes are written to the torch API but NOT run yet (one GPU here); see the report of
-    issue 5.
+    Real modes back the `cute` backends of the tp and dp_nvlink topologies
+    (topologies/distributed.py, PeerBufferTopology). tests/gpu/test_topologies_cute_gpu.py runs
+    "ipc" with two processes on ONE GPU (CUDA IPC works between processes on one device);
+    "symm_mem" and ranks on separate GPUs (NVLink peers) have not run yet (needs >= 2 GPUs).
 
 Sizing: everything is sized from `PeerSpec.max_tokens_per_rank` (T_max); a call with more
 tokens on any rank raises ValueError naming the limit before anything is launched
@@ -158,6 +160,9 @@ class PeerSpec:
         num_experts: E, divisible by W (rank r owns experts [r*E/W, (r+1)*E/W)).
         dtype: row dtype (torch.bfloat16 or torch.float16).
         align: per-expert row alignment of expert_x (>= 1).
+        all_to_all: size the dp_nvlink all-to-all fields (receive/return rows, staging maps,
+            expert_x). False (the tp topology): those fields get no rows, only the all-reduce
+            fields are sized, and ep_dispatch refuses the buffers.
     """
 
     world_size: int
@@ -167,6 +172,7 @@ class PeerSpec:
     num_experts: int
     dtype: torch.dtype = torch.bfloat16
     align: int = 1
+    all_to_all: bool = True
 
     def __post_init__(self):
         if self.world_size < 1 or self.max_tokens_per_rank < 1 or self.top_k < 1 or self.align < 1:
@@ -200,15 +206,18 @@ class PeerSpec:
         return self.world_size * self.stage_rows + self.num_local_experts * (self.align - 1)
 
     def shapes(self) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
-        W, S, H, T, k = self.world_size, self.stage_rows, self.hidden, self.max_tokens_per_rank, self.top_k
+        W, H, T, k = self.world_size, self.hidden, self.max_tokens_per_rank, self.top_k
         E, El, i32, dt = self.num_experts, self.num_local_experts, torch.int32, self.dtype
+        # rows of the all-to-all fields (none when only the all-reduce is sized)
+        S, items, xout = ((self.stage_rows, T * k, self.xout_rows) if self.all_to_all
+                          else (0, 0, 0))
         return {
             F_RECV_X: ((W, S, H), dt), F_RECV_META: ((W, S, 2), i32), F_INBOX_CNT: ((W, El), i32),
             F_INBOX_FLAG: ((W,), i32), F_CHUNK_FLAG: ((W, S), i32), F_ACK: ((W,), i32),
-            F_RET_X: ((T * k, H), dt), F_RET_FLAG: ((W, S), i32), F_AR_IN: ((T, H), dt),
+            F_RET_X: ((items, H), dt), F_RET_FLAG: ((W, S), i32), F_AR_IN: ((T, H), dt),
             F_AR_MID: ((T, H), dt), F_SIG: ((MAX_CTAS_PER_RANK, W), i32), F_CNT: ((E,), i32),
-            F_STAGE: ((T * k,), i32), F_INV: ((W, S), i32), F_NSEND: ((W,), i32),
-            F_POS: ((W, S), i32), F_NRECV: ((W,), i32), F_XOUT: ((self.xout_rows, H), dt),
+            F_STAGE: ((items,), i32), F_INV: ((W, S), i32), F_NSEND: ((W,), i32),
+            F_POS: ((W, S), i32), F_NRECV: ((W,), i32), F_XOUT: ((xout, H), dt),
             F_OFFS: ((El + 1,), i32), F_BAR: ((4,), i32), F_ERR: ((4,), i32),
         }
 
@@ -316,7 +325,7 @@ class PeerBuffers:
     @classmethod
     def from_process_group(cls, spec: PeerSpec, group=None, device=None,
                            transport: str = "auto") -> "PeerBuffers":
-        """One rank per process over `group` (NOT run yet: needs >= 2 GPUs with P2P).
+        """One rank per process over `group` (a collective: every rank of the group calls it).
 
         transport: "symm_mem" (torch symmetric memory rendezvous), "ipc" (CUDA IPC handles via
         all_gather_object) or "auto" (symm_mem, falling back to ipc when it fails).

@@ -1,5 +1,5 @@
-"""tp all-reduce (the `cute` backend) over peer buffers: one-shot, two-shot, and the decode
-tp combine (local weighted gather-sum) followed by the one-shot.
+"""tp all-reduce (the `cute` backend) over peer buffers: one-shot, two-shot, and the tp
+combine (local weighted gather-sum) followed by one of them.
 
 Inputs live in every rank's peer-visible F_AR_IN ([T_max, H], the buffers' dtype); outputs in a
 caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once.
@@ -10,10 +10,11 @@ caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once
             (reduce-scatter) -> barrier(e+1) -> every rank copies every slice from its owner's
             F_AR_MID into out (all-gather) -> barrier(e+2). ~2 (W-1)/W of the tensor over the
             links per rank: best for large tensors (bandwidth).
-  combine   (tp decode, tp_combine_all_reduce) the local combine y_r[t] = sum_j w[t,j] *
+  combine   (tp, tp_combine_all_reduce) the local combine y_r[t] = sum_j w[t,j] *
             expert_y_r[slot_r[t,j]] (slot -1 = expert not on this rank) written to F_AR_IN,
-            rounded to the buffers' dtype; then the one-shot in a SECOND launch. (One launch
-            doing both faulted on the H200: see the Status paragraph of ep_dispatch.py.)
+            rounded to the buffers' dtype; then the one-shot or two-shot (by size, pick_algo)
+            in a SECOND launch. (One launch doing combine + one-shot faulted on the H200: see
+            the Status paragraph of ep_dispatch.py.)
 Barriers are per CTA (CTA b of every rank meets CTA b of every rank); a vector is produced and
 consumed by CTAs with the same index on every rank, so no grid-wide barrier is needed (CUTEDSL.md
 P16: a barrier before reading peers and one before returning). Every wait is bounded and a
@@ -22,19 +23,17 @@ One-/two-shot launches are cooperative (all ranks' CTAs co-resident; virtual ran
 the combine launch has no waits.
 NVLS (multimem) lives in nvls_allreduce.py and is never selected unless nvls_allowed().
 
-Topology hook (tp `cute` backend; topologies/tp.py is not this file's owner):
+Topology hook: topologies/tp.py (the `cute` backend) creates the buffers on its first call
+(PeerBuffers.from_process_group with PeerSpec(all_to_all=False): only F_AR_IN / F_AR_MID / F_SIG
+are sized) and combines with
 
-    bufs = PeerBuffers.from_process_group(PeerSpec(W, max_tokens, H, k, E, dtype, align), group)
-    # decode (two launches): local weighted gather-sum + one-shot all-reduce
     y = tp_combine_all_reduce(bufs, [expert_y], token_slot[None], topk_weights)[0]
-    # prefill: local combine (kernels.cute_ops.combine / reference.combine) written into the
-    # peer buffer, then the all-reduce reads it in place (one-/two-shot picked by size)
-    ar_input(bufs, T).copy_(reference.combine(expert_y, token_slot, topk_weights))
-    y = all_reduce(bufs, None, T)[0]
 
 Status (issue 5): on the H200 with W in {2, 4, 8} virtual ranks, one-shot and two-shot equal
 torch's sum and tp_combine_all_reduce equals the sum of reference.combine over ranks
-(tests/gpu/test_multirank_virtual_gpu.py); timings in benchmarks/multirank_virtual.py.
+(tests/gpu/test_multirank_virtual_gpu.py); timings in benchmarks/multirank_virtual.py. Real
+ranks: the tp topology's GPU test (tests/gpu/test_topologies_cute_gpu.py) runs two processes on
+one GPU over CUDA IPC; ranks on separate GPUs have not run yet.
 """
 from __future__ import annotations
 
@@ -239,17 +238,19 @@ def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = Non
 
 def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor],
                           token_slot: torch.Tensor, topk_weights: torch.Tensor, *,
-                          out: torch.Tensor | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                          max_spins: int | None = None, check: bool = True,
-                          skip_rank: int = -1) -> torch.Tensor:
-    """Decode tp combine + all-reduce (two launches: COMBINE into F_AR_IN, then the one-shot):
-    out[r] = sum over ranks of reference.combine(expert_y_r, token_slot_r, topk_weights)
-    (partials rounded to the buffers' dtype, summed in fp32).
+                          algo: str = "auto", out: torch.Tensor | None = None,
+                          timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
+                          check: bool = True, skip_rank: int = -1) -> torch.Tensor:
+    """tp combine + all-reduce (two launches: COMBINE into F_AR_IN, then the one-shot or the
+    two-shot): out[r] = sum over ranks of reference.combine(expert_y_r, token_slot_r,
+    topk_weights) (partials rounded to the buffers' dtype, summed in fp32).
 
     Args:
         expert_y: n_local tensors [N_r, H] (expert-major rows of each local rank).
         token_slot: int32 [n_local, T, k] rows of expert_y per (t, j), -1 = not on that rank.
         topk_weights: fp32 [T, k] (replicated tokens: the same on every rank).
+        algo: "auto" (pick_algo by T * H bytes: the same on every rank, T being replicated) |
+            "oneshot" | "twoshot".
     Returns out [n_local, T, H].
 
     Raises:
@@ -272,6 +273,7 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
     if any(t.device != bufs.device for t in eys + [token_slot, topk_weights]):
         raise ValueError(f"expert_y, token_slot and topk_weights must be on {bufs.device}")
     bufs.check_tokens([T] * bufs.n_local)
+    name = pick_algo(algo, T * s.hidden * s.elem_bytes)
     out = _out(bufs, T, out)
     if T == 0:
         return out
@@ -281,8 +283,8 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
             pb.F_ARG_SLOT: [t.data_ptr() for t in slot],
             pb.F_ARG_W: [w.data_ptr()] * bufs.n_local}
     _launch(bufs, COMBINE, T, out, args, timeout_s, max_spins, False, skip_rank,
-            "tp_combine_all_reduce")  # (errors checked once, after the one-shot)
-    out = _launch(bufs, ONESHOT, T, out, {}, timeout_s, max_spins, check, skip_rank,
-                  "tp_combine_all_reduce")
+            "tp_combine_all_reduce")  # (errors checked once, after the all-reduce)
+    out = _launch(bufs, ALGOS[name], T, out, {}, timeout_s, max_spins, check, skip_rank,
+                  f"tp_combine_all_reduce ({name})")
     del slot, w  # (stream-ordered frees: safe while the kernel runs)
     return out

@@ -29,21 +29,12 @@ the rank, the phase and the peer waited for.
 Flags never go stale: epochs grow per call and waits use a wrap-safe >=, so buffers are reused
 without a memset.
 
-Topology hook (dp_nvlink `cute` backend; topologies/dp_nvlink.py is not this file's owner):
+Topology hook: topologies/dp_nvlink.py (the `cute` backend) creates the buffers on its first
+call (PeerBuffers.from_process_group, shared with tp in topologies/distributed.py) and calls
 
-    from moe_runtime.comm.peer_buffers import PeerBuffers, PeerSpec
-    from moe_runtime.kernels.ep_dispatch import ep_dispatch
-    from moe_runtime.kernels.ep_combine import ep_combine
-    # once, every rank, after the process group exists (sizes from the model config):
-    bufs = PeerBuffers.from_process_group(PeerSpec(W, max_tokens_per_rank, H, k, E, dtype, align),
-                                          group)
-    def _dispatch(self, x, topk_ids, topk_weights):
-        h = ep_dispatch(bufs, x, topk_ids)             # [T, H], int32 [T, k]; one rank
-        return DispatchResult(h.expert_x[0], h.expert_offsets[0],
-                              {"ep": h, "topk_weights": topk_weights})
-    def _combine(self, expert_y, result):
-        h = result.handle
-        return ep_combine(bufs, h["ep"], expert_y, h["topk_weights"])   # y [T, H]
+    h = ep_dispatch(bufs, x, topk_ids)                  # [T, H], int32 [T, k]; one rank
+    DispatchResult(h.expert_x[0], h.expert_offsets[0], {"ep": h, ...})
+    y = ep_combine(bufs, h, expert_y, topk_weights)     # y [T, H]
 expert_x is the full-capacity view [xout_rows, H] (rows past expert_offsets[-1] unspecified),
 so the experts must honour expert_offsets and expert_y must have >= xout_rows rows.
 
@@ -60,7 +51,9 @@ ld.acquire.sys poll, at an address (lane 0) that decodes to ret_flag[rank 1][9],
 peer heap; the SASS address arithmetic matches the design. The mechanism below the ISA is not
 known, so those operations are now two launches each (the kernel boundary separates writing the
 rows from polling their flags). This decode dispatch still writes and polls in one launch and
-passed every run. Not run yet: real NVLink peers (PeerBuffers.from_process_group).
+passed every run. Real ranks (one process each, PeerBuffers.from_process_group): the
+dp_nvlink topology's GPU test (tests/gpu/test_topologies_cute_gpu.py) runs two processes on one
+GPU over CUDA IPC; ranks on separate GPUs (NVLink peers) have not run yet.
 """
 from __future__ import annotations
 
@@ -332,7 +325,12 @@ def row_addrs(t: torch.Tensor, tokens: Sequence[int]) -> list[int]:
 
 
 def pick_mode(mode: str, max_tokens: int) -> str:
-    """"decode" | "prefill" | "auto" (decode up to DECODE_MAX_TOKENS tokens per rank)."""
+    """"decode" | "prefill" | "auto" (decode up to DECODE_MAX_TOKENS tokens per rank).
+
+    Every rank of a call must use the same mode: the chunk of the release flags (decode 1,
+    prefill PREFILL_CHUNK) is part of the protocol between sender and receiver. ep_dispatch
+    therefore passes the busiest virtual rank's T (one launch serves all of them) or, for a
+    real rank, which cannot see its peers' T, the buffers' max_tokens_per_rank."""
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"mode must be 'auto', 'decode' or 'prefill', got {mode!r}")
     if mode == "auto":
@@ -350,6 +348,9 @@ def check_inputs(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     """
     s = bufs.spec
     bufs.check_usable()
+    if not s.all_to_all:
+        raise ValueError("these peer buffers hold the all-reduce fields only "
+                         "(PeerSpec.all_to_all=False); ep_dispatch needs all_to_all=True")
     tokens = [x.shape[0]] if tokens_per_rank is None else [int(t) for t in tokens_per_rank]
     bufs.check_tokens(tokens)
     if x.dim() != 2 or x.shape[1] != s.hidden or x.shape[0] != sum(tokens):
@@ -375,7 +376,9 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
         x: [sum T_r, H] tokens of the local ranks, concatenated in rank order (real mode: [T, H]).
         topk_ids: int32 [sum T_r, k] global expert ids (distinct within a token, in [0, E)).
         tokens_per_rank: T_r per local rank (default [x.shape[0]]); each <= max_tokens_per_rank.
-        mode: "auto" | "decode" (one cooperative launch) | "prefill" (four launches).
+        mode: "auto" | "decode" (one cooperative launch) | "prefill" (four launches); auto
+            decides from the busiest virtual rank's T, or for a real rank (n_local = 1) from
+            max_tokens_per_rank, so that every rank picks the same (see pick_mode).
         timeout_s, max_spins: bounds of every device wait.
         check: read the error words after the launch (host sync) and raise PeerTimeoutError.
             Pass False inside CUDA graphs and call bufs.check_errors() later.
@@ -392,7 +395,7 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     """
     s = bufs.spec
     tokens = check_inputs(bufs, x, topk_ids, tokens_per_rank)
-    mode = pick_mode(mode, max(tokens))
+    mode = pick_mode(mode, max(tokens) if bufs.n_local == s.world_size else s.max_tokens_per_rank)
     chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     bufs.set_args({pb.F_ARG_X: row_addrs(x, tokens), pb.F_ARG_IDS: row_addrs(topk_ids, tokens),

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Optional
 
 from .base import DispatchResult, Topology, validate_routing
-from .distributed import (BackendNotImplementedError, DataParallelTopology, GroupTopology,
+from .distributed import (CUTE_TOPOLOGIES, BackendNotImplementedError, DataParallelTopology,
+                          GroupTopology, PeerBufferTopology, auto_picks_cute,
                           resolve_group_backend)
 from .dp_nvlink import DPNVLinkTopology
 from .dp_p2p import DPP2PTopology
@@ -25,7 +26,9 @@ TOPOLOGIES: dict[str, type[Topology]] = {
 
 
 def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
-                  backend: str = "auto", timeout_s: Optional[float] = None) -> Topology:
+                  backend: str = "auto", timeout_s: Optional[float] = None,
+                  max_tokens_per_rank: Optional[int] = None,
+                  transport: Optional[str] = None) -> Topology:
     """Build the topology `name` for a layer of `num_experts` experts.
 
     Args:
@@ -35,16 +38,26 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         align: per-expert segment alignment in rows.
         backend: "reference", "cute" or "auto" (local: see kernels.resolve_backend; the
             multi-rank topologies: see distributed.resolve_group_backend).
-        timeout_s: per-collective bound for the multi-rank topologies (None = group timeout).
+        timeout_s: per-collective bound for the multi-rank topologies (None = group timeout);
+            the cute backends bound each device-side wait with it.
+        max_tokens_per_rank, transport: peer buffer sizing and transport of the cute backends
+            of "tp" and "dp_nvlink" (distributed.PeerBufferTopology; None = its default).
 
     Raises:
-        ValueError: unknown name (the message lists the known ones), bad backend, experts not
-            divisible by the world size, align < 1, or a multi-rank group for "local".
-        BackendNotImplementedError (a ValueError): backend "cute" for a multi-rank topology.
+        ValueError: unknown name (the message lists the known ones), bad backend, "cute"
+            without CUDA or CuTeDSL, experts not divisible by the world size, align < 1, a
+            multi-rank group for "local", max_tokens_per_rank / transport for a topology
+            without peer buffers.
+        BackendNotImplementedError (a ValueError): backend "cute" for "dp_p2p".
         TypeError: num_experts or align not an int, group not a ProcessGroup.
     """
     if name not in TOPOLOGIES:
         raise ValueError(f"unknown topology {name!r}; expected one of {sorted(TOPOLOGIES)}")
+    peer_kw = {k: v for k, v in (("max_tokens_per_rank", max_tokens_per_rank),
+                                 ("transport", transport)) if v is not None}
+    if peer_kw and not issubclass(TOPOLOGIES[name], PeerBufferTopology):
+        raise ValueError(f"{sorted(peer_kw)} apply to the peer buffers of the cute backends "
+                         f"({', '.join(CUTE_TOPOLOGIES)}), not to topology {name!r}")
     if group is not None:
         import torch.distributed as dist
         if not isinstance(group, dist.ProcessGroup):
@@ -58,12 +71,13 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
                                  f"{dist.get_world_size(group)}")
         return LocalTopology(num_experts, align=align, backend=backend)
     return TOPOLOGIES[name](num_experts, group=group, align=align, backend=backend,
-                            timeout_s=timeout_s)
+                            timeout_s=timeout_s, **peer_kw)
 
 
 __all__ = [
     "TOPOLOGIES", "make_topology", "Topology", "DispatchResult", "validate_routing",
     "LocalTopology", "TPTopology", "DPNVLinkTopology", "DPP2PTopology", "DataParallelTopology",
-    "GroupTopology", "BackendNotImplementedError", "resolve_group_backend",
+    "GroupTopology", "PeerBufferTopology", "BackendNotImplementedError", "resolve_group_backend",
+    "auto_picks_cute",
     "ClusterInfo", "ParallelConfig", "Selection", "select_topology",
 ]

@@ -1,8 +1,9 @@
-"""Topologies over a torch.distributed process group: the shared base and the DP protocol.
+"""Topologies over a torch.distributed process group: the shared bases and the DP protocol.
 
 `GroupTopology` binds a topology to a group (rank, world size, collective timeout, backend).
-`DataParallelTopology` is the all-to-all protocol that `dp_nvlink` and `dp_p2p` share; their
-reference backends are identical and only the (later) cute transports differ.
+`DataParallelTopology` is the all-to-all protocol that `dp_nvlink` and `dp_p2p` share as their
+reference backend. `PeerBufferTopology` adds the cute backend of `tp` and `dp_nvlink`: the
+peer buffers, created on the first CUDA call, and the "auto" rule.
 
 DP protocol (each rank owns its own batch; T may differ per rank, including T = 0):
 
@@ -21,42 +22,86 @@ DP protocol (each rank owns its own batch; T may differ per rank, including T = 
 
 Every collective is bounded by the group's timeout (or `timeout_s`); a rank that fails input
 validation raises before its first collective, so its peers raise CollectiveError on timeout.
+
+Backends (`resolve_group_backend`): every topology here has "reference" (the torch.distributed
+protocol above for dp, an all-reduce for tp). `tp` and `dp_nvlink` also have "cute"
+(`PeerBufferTopology`): the multi-rank CuTeDSL kernels (kernels/allreduce.py,
+kernels/ep_dispatch.py, kernels/ep_combine.py) over peer buffers (comm/peer_buffers.py) that the
+first CUDA call creates. `dp_p2p` (NVSHMEM) has no cute backend yet: "cute" raises
+BackendNotImplementedError there.
+
+"auto" for tp / dp_nvlink is "reference" unless the cute backend is safe, decided ONCE, at the
+first call with CUDA tensors, from facts every rank reports (a collective: `auto_picks_cute`):
+at least 2 ranks, CuTeDSL importable on every rank, buffers possible for the call (bf16/fp16,
+rows a multiple of 16 bytes), one host, every rank on its own GPU, and every rank's process
+seeing every other rank's GPU with CUDA peer access (so e.g. Ray actors that each see one GPU
+stay on "reference"). Calls with CPU tensors always take the reference path and settle nothing.
+Once settled on cute, "auto" behaves as "cute": a call over max_tokens_per_rank raises (no
+per-call fallback: the ranks of a dp call differ in T, so they could not agree on one).
 """
 from __future__ import annotations
 
-from typing import Optional
+import logging
+import socket
+from typing import Any, Optional, Sequence
 
 import torch
 
-from ..comm import all_to_all_single, group_rank_size
+from .. import kernels
+from ..comm import all_gather_object, all_to_all_single, group_rank_size
 from ..kernels import reference
 from .base import DispatchResult, Topology
 
+log = logging.getLogger("moe_runtime")
+
 TOPOLOGY_BACKENDS = ("reference", "cute", "auto")
-
-
+CUTE_TOPOLOGIES = ("tp", "dp_nvlink")      # the multi-rank topologies with a cute backend
+TRANSPORTS = ("auto", "symm_mem", "ipc")   # PeerBuffers.from_process_group(transport=...)
+#: Peer buffer sizing default: tokens one rank passes in one call (tp: the replicated batch).
+DEFAULT_MAX_TOKENS_PER_RANK = 1024
+#: Device type of the tensors the cute backends take ("cpu" only in the CPU tests that run the
+#: host code with the compiled kernels replaced by recorders).
+CUTE_DEVICE_TYPE = "cuda"
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
+
 
 class BackendNotImplementedError(NotImplementedError, ValueError):
     """The requested backend exists in the design but is not implemented for this topology yet."""
 
 
 def resolve_group_backend(topology: str, backend: str) -> str:
-    """Backend of a multi-rank topology: "reference" or "auto" -> "reference".
+    """Construction-time backend of a multi-rank topology (rules: module docstring).
+
+    Returns:
+        "reference"; "cute" (tp / dp_nvlink, CUDA present and CuTeDSL importable); or "auto"
+        where the cute backend may apply (tp / dp_nvlink, CUDA present, CuTeDSL importable):
+        the first CUDA call settles it (PeerBufferTopology).
 
     Raises:
-        ValueError: unknown backend name.
-        BackendNotImplementedError (a ValueError): "cute", until its kernels exist.
+        ValueError: unknown backend name; "cute" without a CUDA device or without CuTeDSL.
+        BackendNotImplementedError (a ValueError): "cute" for a topology without a cute
+            backend (dp_p2p).
     """
     if backend not in TOPOLOGY_BACKENDS:
         raise ValueError(f"backend must be one of {TOPOLOGY_BACKENDS}, got {backend!r}")
-    if backend == "cute":
-        raise BackendNotImplementedError(
-            f"topology {topology!r}: backend 'cute' is not implemented yet; "
-            "use backend='reference' (or 'auto', which resolves to 'reference' for now)")
-    return "reference"
+    if backend == "reference":
+        return backend
+    if topology not in CUTE_TOPOLOGIES:
+        if backend == "cute":
+            raise BackendNotImplementedError(
+                f"topology {topology!r}: backend 'cute' is not implemented yet (cute backends: "
+                f"{', '.join(CUTE_TOPOLOGIES)}); use backend='reference' (or 'auto', which "
+                "resolves to 'reference' here)")
+        return "reference"
+    usable = torch.cuda.is_available() and kernels.cute_available()
+    if backend == "cute" and not usable:
+        raise ValueError(
+            f"topology {topology!r}: backend 'cute' needs a CUDA device and nvidia-cutlass-dsl; "
+            f"got CUDA available={torch.cuda.is_available()}, cutlass importable="
+            f"{kernels.cute_available()}; use backend='reference' or 'auto'")
+    return backend if usable else "reference"
 
 
 class GroupTopology(Topology):
@@ -67,12 +112,15 @@ class GroupTopology(Topology):
         group: a ProcessGroup, or None for the default group (a world of one rank when
             torch.distributed is not initialized).
         align: per-expert segment alignment in rows (>= 1).
-        backend: "reference", "auto" (-> "reference" for now) or "cute" (not implemented yet).
-        timeout_s: bound on each collective call; None = the group's own timeout.
+        backend: "reference", "cute" or "auto" (resolve_group_backend; `backend` holds the
+            result, "auto" until a PeerBufferTopology's first CUDA call settles it).
+        timeout_s: bound on each collective call; None = the group's own timeout. The cute
+            backend bounds each device-side wait with it (None = the kernels' default, 10 s).
 
     Raises:
-        ValueError: unknown backend; num_experts % world_size != 0; align < 1.
-        BackendNotImplementedError: backend "cute".
+        ValueError: unknown backend; "cute" without CUDA or CuTeDSL; num_experts % world_size
+            != 0; align < 1.
+        BackendNotImplementedError: backend "cute" for a topology without one (dp_p2p).
         RuntimeError: a group is given but torch.distributed is not initialized.
     """
 
@@ -149,3 +197,165 @@ class DataParallelTopology(GroupTopology):
                           input_split_sizes=h["recv_splits"], group=self.group,
                           step=self._step("combine rows"), timeout_s=self.timeout_s)
         return reference.combine(returned, h["token_slot"], h["topk_weights"])
+
+
+# ------------------------------------------------------------------------- the cute backends
+def rank_peer_facts(device: torch.device) -> dict[str, Any]:
+    """This process's facts for `auto_picks_cute` (queries only): host, the GPU's UUID, the
+    UUIDs of the GPUs visible here that `device` has CUDA peer access to, CuTeDSL importable."""
+    idx = torch.device(device).index
+    uuid = lambda d: str(torch.cuda.get_device_properties(d).uuid)  # noqa: E731
+    return {"host": socket.gethostname(), "gpu": uuid(idx), "cute": kernels.cute_available(),
+            "peers": [uuid(d) for d in range(torch.cuda.device_count())
+                      if d != idx and torch.cuda.can_device_access_peer(idx, d)]}
+
+
+def auto_picks_cute(facts: Sequence[dict[str, Any]]) -> tuple[bool, str]:
+    """The "auto" rule (module docstring) over every rank's facts, in rank order: each a dict
+    of rank_peer_facts plus "unsupported" (why this rank cannot size peer buffers for the call,
+    or None). Returns (cute?, one-line reason); every rank computes the same answer."""
+    W = len(facts)
+    if W < 2:
+        return False, "one rank: nothing to exchange over peer buffers"
+    for r, f in enumerate(facts):
+        if not f["cute"]:
+            return False, f"rank {r}: nvidia-cutlass-dsl is not importable"
+        if f["unsupported"]:
+            return False, f"rank {r}: no peer buffers for this call ({f['unsupported']})"
+    hosts = sorted({f["host"] for f in facts})
+    if len(hosts) > 1:
+        return False, f"the ranks are on {len(hosts)} hosts {hosts}; peer buffers need one host"
+    gpus = [f["gpu"] for f in facts]
+    if len(set(gpus)) < W:
+        return False, (f"{W} ranks share {len(set(gpus))} GPU(s); auto wants every rank on its "
+                       "own GPU")
+    for r, f in enumerate(facts):
+        missing = [q for q, g in enumerate(gpus) if q != r and g not in f["peers"]]
+        if missing:
+            return False, (f"rank {r} has no CUDA peer access to the GPUs of ranks {missing} "
+                           "(not visible in its process, or no P2P)")
+    return True, f"{W} ranks on {W} GPUs of one host with CUDA peer access"
+
+
+class PeerBufferTopology(GroupTopology):
+    """A GroupTopology with a `cute` backend: multi-rank CuTeDSL kernels over peer buffers
+    (comm/peer_buffers.py). The shared base of `tp` and `dp_nvlink`.
+
+    Args (besides GroupTopology's):
+        max_tokens_per_rank: the most tokens one rank passes to one dispatch (tp: the
+            replicated batch); sizes the peer buffers (PeerSpec: dp_nvlink holds about
+            W * max_tokens_per_rank * min(k, E_local) rows of H per rank twice, tp two
+            [max_tokens_per_rank, H] buffers). Default DEFAULT_MAX_TOKENS_PER_RANK.
+        transport: how each rank maps its peers' buffers: "auto" (torch symmetric memory, else
+            CUDA IPC), "symm_mem" or "ipc" (PeerBuffers.from_process_group).
+
+    The first call with CUDA tensors (backend "cute", or "auto" not yet settled) is a
+    collective: every rank reports the call's shape (H, dtype, k and the constructor's sizes;
+    they must agree, else ValueError on every rank) and, for "auto", its peer facts; "auto"
+    then settles (auto_picks_cute; the reason is kept in `backend_reason`), and for cute every
+    rank allocates its buffers and exchanges their addresses (PeerBuffers.from_process_group;
+    a world of one rank: PeerBuffers.virtual). EVERY RANK MUST MAKE THE SAME CALLS, in the same
+    order: each dispatch and combine is a collective whose kernels wait for every peer.
+
+    Every later call checks, before anything is launched: the same H, dtype and k as the first
+    call and T <= max_tokens_per_rank (ValueError naming the limit), x on the buffers' device,
+    buffers not broken by an earlier device error. A check that fails on one rank only raises
+    there; the peers' kernels then time out (PeerTimeoutError).
+
+    Device errors surface as raised by the kernels: PeerTimeoutError (a bounded wait gave up:
+    names the rank, the phase and the peer) and PeerDataError (a value refused on the device,
+    e.g. topk_ids outside [0, E) with check_values=False). After either, the buffers are
+    unusable until every rank calls `peer_buffers.reset()` (a collective).
+
+    Attributes:
+        peer_buffers: the PeerBuffers (None until the first cute call).
+        backend_reason: why "auto" settled as it did (None before, or without "auto").
+
+    Raises (construction): TypeError / ValueError for max_tokens_per_rank not an int >= 1 or
+    an unknown transport, besides GroupTopology's.
+    """
+
+    all_to_all = True  # PeerSpec.all_to_all of this topology's buffers (tp: all-reduce only)
+
+    def __init__(self, num_experts: int, *, group=None, align: int = 1, backend: str = "auto",
+                 timeout_s: Optional[float] = None,
+                 max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
+                 transport: str = "auto"):
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int):
+            raise TypeError(f"max_tokens_per_rank must be an int, got "
+                            f"{type(max_tokens_per_rank).__name__} {max_tokens_per_rank!r}")
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        super().__init__(num_experts, group=group, align=align, backend=backend,
+                         timeout_s=timeout_s)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.transport = transport
+        self.peer_buffers = None
+        self.backend_reason: Optional[str] = None
+
+    def _peer_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor):
+        """The PeerBuffers for this call, or None for the reference path (see the class
+        docstring); creates them on the first cute call. Raises before anything is launched."""
+        if self.backend == "reference":
+            return None
+        if x.device.type != CUTE_DEVICE_TYPE:
+            if self.backend == "cute":
+                raise ValueError(f"{self.name} rank {self.rank}: backend 'cute' needs "
+                                 f"{CUTE_DEVICE_TYPE} tensors, got x on {x.device}")
+            return None  # auto: CPU tensors take the reference path
+        if self.peer_buffers is None:
+            self._create_peer_buffers(x, topk_ids)
+            if self.peer_buffers is None:  # auto settled on the reference
+                return None
+        bufs, s = self.peer_buffers, self.peer_buffers.spec
+        got = (x.shape[1], x.dtype, topk_ids.shape[1])
+        if got != (s.hidden, s.dtype, s.top_k) or x.device != bufs.device:
+            raise ValueError(
+                f"{self.name} rank {self.rank}: the peer buffers were made for hidden={s.hidden}, "
+                f"dtype={s.dtype}, top_k={s.top_k} on {bufs.device} by the first call; this call "
+                f"has hidden={got[0]}, dtype={got[1]}, top_k={got[2]} on {x.device} (build "
+                "another topology for another shape)")
+        bufs.check_usable()
+        bufs.check_tokens([x.shape[0]])
+        return bufs
+
+    def _create_peer_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        from ..comm.peer_buffers import PeerBuffers, PeerSpec
+        call = dict(world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
+                    hidden=x.shape[1], top_k=topk_ids.shape[1], num_experts=self.num_experts,
+                    dtype=x.dtype, align=self.align, all_to_all=self.all_to_all)
+        try:
+            spec, unsupported = PeerSpec(**call), None
+        except (TypeError, ValueError) as e:
+            if self.backend == "cute":
+                raise type(e)(f"{self.name} rank {self.rank}, backend 'cute': {e}") from e
+            spec, unsupported = None, str(e)
+        mine = {"call": call, "unsupported": unsupported}
+        if self.backend == "auto":
+            mine.update(rank_peer_facts(x.device))
+        facts = all_gather_object(mine, group=self.group, step=self._step("peer buffer setup"))
+        calls = [f["call"] for f in facts]
+        differ = [k for k in call if any(c[k] != calls[0][k] for c in calls)]
+        if differ:
+            raise ValueError(
+                f"{self.name} rank {self.rank}: every rank must make the same calls; the first "
+                "CUDA call differs across ranks in " + "; ".join(
+                    f"{k}: " + ", ".join(f"rank {r} {c[k]}" for r, c in enumerate(calls))
+                    for k in differ))
+        if self.backend == "auto":
+            ok, self.backend_reason = auto_picks_cute(facts)
+            self.backend = "cute" if ok else "reference"
+            log.info("%s rank %d: backend auto -> %s: %s", self.name, self.rank, self.backend,
+                     self.backend_reason)
+            if not ok:
+                return
+        self.peer_buffers = (
+            PeerBuffers.virtual(spec, x.device) if self.world_size == 1 else
+            PeerBuffers.from_process_group(spec, self.group, device=x.device,
+                                           transport=self.transport))
+
+    def _kernel_bounds(self) -> dict[str, float]:
+        """timeout_s for the kernels' device waits (none given: the kernels' default)."""
+        return {} if self.timeout_s is None else {"timeout_s": self.timeout_s}

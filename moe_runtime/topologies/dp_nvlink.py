@@ -1,18 +1,58 @@
 """`dp_nvlink` topology: data-parallel attention inside one NVLink domain.
 
-The reference backend is the shared all-to-all protocol of `distributed.DataParallelTopology`
-(torch.distributed: gloo on CPU, nccl on CUDA). The cute backend (later) writes rows straight
-into peers' receive buffers over NVLink with per-token release flags.
+Backend "reference": the shared all-to-all protocol of `distributed.DataParallelTopology`
+(torch.distributed: gloo on CPU, nccl on CUDA).
+
+Backend "cute" (CUDA, bf16/fp16; PeerBufferTopology: buffers made by the first CUDA call, the
+"auto" rule, errors): kernels/ep_dispatch.py and kernels/ep_combine.py over this rank's
+PeerBuffers. Rows go straight into the receivers' buffers (NVLink stores) with release flags;
+the receiver compacts them into expert-major order; combine sends expert outputs back and the
+source sums over k in fp32 (j = 0..k-1, one cast, the order of reference.combine).
+    dispatch  decode mode (max_tokens_per_rank <= ep_dispatch.DECODE_MAX_TOKENS): one
+              cooperative launch, per-token flags; else prefill mode: four launches, per-chunk
+              flags. The mode comes from the buffers' size, not from T, because every rank must
+              use the same one and a rank does not know its peers' T. Then the error words are
+              read (one host sync).
+    combine   two launches (send back, weighted sum), then the error words (one host sync).
+Every rank launches on every call, T = 0 included (its peers wait for its counts).
+
+Differences from the reference backend's DispatchResult: expert_x and expert_offsets are views
+of the peer buffers, valid until the next dispatch; expert_x has the buffers' full capacity
+(PeerSpec.xout_rows rows, those past expert_offsets[-1] unspecified), so expert_y needs as many
+rows; within an expert, rows are ordered by source rank, then in an order set by device atomics
+(not deterministic). Combine only the newest dispatch (an older result raises ValueError).
 """
 from __future__ import annotations
 
-from .distributed import DataParallelTopology
+import torch
+
+from .base import DispatchResult
+from .distributed import DataParallelTopology, PeerBufferTopology
 
 
-class DPNVLinkTopology(DataParallelTopology):
+class DPNVLinkTopology(PeerBufferTopology, DataParallelTopology):
     """Each rank its own batch, one NVLink domain (a node, or a GB200 NVL72 rack).
 
-    Shapes, dtypes and errors: see DataParallelTopology and GroupTopology.
+    Shapes, dtypes and errors: see DataParallelTopology, PeerBufferTopology and GroupTopology
+    (max_tokens_per_rank bounds each rank's own T), and the module docstring for the cute
+    backend's expert_x.
     """
 
     name = "dp_nvlink"
+
+    def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
+        bufs = self._peer_buffers(x, topk_ids)
+        if bufs is None:
+            return super()._dispatch(x, topk_ids, topk_weights)
+        from ..kernels.ep_dispatch import ep_dispatch
+        h = ep_dispatch(bufs, x, topk_ids, **self._kernel_bounds())
+        return DispatchResult(h.expert_x[0], h.expert_offsets[0],
+                              {"ep": h, "peer_buffers": bufs, "topk_weights": topk_weights})
+
+    def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
+        h = result.handle
+        if "ep" not in h:
+            return super()._combine(expert_y, result)
+        from ..kernels.ep_combine import ep_combine
+        return ep_combine(h["peer_buffers"], h["ep"], expert_y, h["topk_weights"],
+                          **self._kernel_bounds())

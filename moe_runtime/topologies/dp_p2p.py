@@ -1,8 +1,9 @@
 """`dp_p2p` topology: data-parallel attention across nodes without a shared NVLink domain.
 
 The reference backend is the shared all-to-all protocol of `distributed.DataParallelTopology`
-(torch.distributed: gloo on CPU, nccl on CUDA). The cute backend (later) runs the same protocol
-over NVSHMEM put-with-signal (InfiniBand between nodes, NVLink within one).
+(torch.distributed: gloo on CPU, nccl on CUDA). The cute backend (later: backend "cute" raises
+BackendNotImplementedError, "auto" is "reference") will run the same protocol over NVSHMEM
+put-with-signal (InfiniBand between nodes, NVLink within one).
 """
 from __future__ import annotations
 

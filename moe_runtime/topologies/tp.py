@@ -1,45 +1,66 @@
 """`tp` topology: every rank holds the same tokens; each rank computes only its own experts.
 
+Backend "reference" (torch + torch.distributed all-reduce: gloo on CPU, nccl on CUDA):
     dispatch  reference.dispatch restricted to this rank's experts (other pairs get slot -1)
     combine   local weighted sum over this rank's (t, j) pairs in fp32, then all_reduce(SUM) in
               fp32 over the group, then one cast to expert_y.dtype.
-
 Reducing in fp32 means a bf16/fp16 result is rounded once, as in `local`; it differs from the
 single-rank answer only by the fp32 summation order of the k terms (split across ranks).
-Backends: "reference" (torch + torch.distributed all-reduce: gloo on CPU, nccl on CUDA). The
-cute backend (NVLS multicast / NVLink one-shot, two-shot all-reduce) comes later.
+
+Backend "cute" (CUDA, bf16/fp16; PeerBufferTopology: buffers made by the first CUDA call, the
+"auto" rule, errors):
+    dispatch  kernels.cute_ops.dispatch with this rank's expert range (the local CuTeDSL
+              dispatch: one launch for decode sizes, two for prefill sizes; no host sync)
+    combine   kernels.allreduce.tp_combine_all_reduce: one launch writes this rank's weighted
+              partial sum, rounded to x.dtype, into its peer buffer; a second launch sums all
+              ranks' partials in fp32 in rank order and casts once: one-shot up to
+              allreduce.ONESHOT_MAX_BYTES of partials per rank, two-shot above (T is the same
+              on every rank, so every rank picks the same). Then the error words are read
+              (one host sync per combine). No launch at T = 0.
+The cute result is bit-identical on every rank; it differs from the reference only by the
+rounding of each rank's partial sum to x.dtype before the fp32 sum. NVLS (multicast) is never
+used here.
 """
 from __future__ import annotations
 
 import torch
 
 from ..comm import all_reduce_sum
-from ..kernels import reference
+from ..kernels import get_ops, reference
 from .base import DispatchResult
-from .distributed import GroupTopology
+from .distributed import PeerBufferTopology
 
 
-class TPTopology(GroupTopology):
+class TPTopology(PeerBufferTopology):
     """Tensor-parallel attention: tokens replicated on every rank of `group`.
 
     dispatch(x [T, H], topk_ids int32 [T, k], topk_weights fp32 [T, k]) -> DispatchResult with
     expert_x [T * k + E_local * (align - 1), H] (x.dtype), expert_offsets int32 [E_local + 1].
     combine(expert_y [>= N, H]) -> y [T, H] in expert_y.dtype, identical on every rank.
     Every rank must pass the same x, topk_ids and topk_weights (not checked: it would cost a
-    collective). Constructor arguments and errors: see GroupTopology; combine raises
-    CollectiveError when a peer stalls or dies.
+    collective). Constructor arguments and errors: see PeerBufferTopology and GroupTopology
+    (max_tokens_per_rank bounds T, the replicated batch); combine raises CollectiveError
+    (reference) or PeerTimeoutError / PeerDataError (cute) when a peer stalls or dies.
     """
 
     name = "tp"
+    all_to_all = False  # the cute backend needs the all-reduce buffers only
 
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
-        expert_x, offsets, slot = reference.dispatch(
+        bufs = self._peer_buffers(x, topk_ids)
+        ops = get_ops("reference" if bufs is None else "cute")
+        expert_x, offsets, slot = ops.dispatch(
             x, topk_ids, expert_start=self.expert_start,
             num_local_experts=self.num_local_experts, align=self.align)
-        return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights})
+        return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights,
+                                                  "peer_buffers": bufs})
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
+        if h["peer_buffers"] is not None:
+            from ..kernels.allreduce import tp_combine_all_reduce
+            return tp_combine_all_reduce(h["peer_buffers"], [expert_y], h["token_slot"][None],
+                                         h["topk_weights"], **self._kernel_bounds())[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
         all_reduce_sum(partial, group=self.group, step=self._step("combine all_reduce"),
                        timeout_s=self.timeout_s)

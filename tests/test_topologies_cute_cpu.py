@@ -1,0 +1,234 @@
+"""CPU: the `cute` backends of tp and dp_nvlink up to the kernel launch.
+
+Backend resolution and the "auto" rule; the errors of "cute" without CUDA; and the host code of
+both backends with the compiled kernels replaced by recorders (tests/_recorded.py) and the cute
+device type set to "cpu": peer buffers created on the first call, sized from it, the checks of
+later calls (before any launch), and, in 2 gloo processes, the real-rank buffers
+(PeerBuffers.from_process_group with transport "ipc") and the launches every rank makes.
+The kernels themselves run in tests/gpu/test_topologies_cute_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from moe_runtime import kernels
+from moe_runtime.comm import peer_buffers as pb
+from moe_runtime.topologies import (BackendNotImplementedError, auto_picks_cute, distributed,
+                                    make_topology, resolve_group_backend)
+
+E = 8
+
+
+# ------------------------------------------------------------------------ backend resolution
+def test_resolve_rules(monkeypatch):
+    for topo in ("tp", "dp_nvlink", "dp_p2p"):
+        assert resolve_group_backend(topo, "reference") == "reference"
+        with pytest.raises(ValueError, match="'bogus'"):
+            resolve_group_backend(topo, "bogus")
+    with pytest.raises(BackendNotImplementedError, match="not implemented") as ei:
+        resolve_group_backend("dp_p2p", "cute")
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, NotImplementedError)
+    for cuda, cute in ((False, True), (True, False), (False, False), (True, True)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(kernels, "cute_available", lambda: cute)
+        assert resolve_group_backend("dp_p2p", "auto") == "reference"
+        with pytest.raises(BackendNotImplementedError):
+            resolve_group_backend("dp_p2p", "cute")
+        for topo in ("tp", "dp_nvlink"):
+            if cuda and cute:  # "auto" is settled by the first CUDA call
+                assert resolve_group_backend(topo, "auto") == "auto"
+                assert resolve_group_backend(topo, "cute") == "cute"
+                assert make_topology(topo, E, backend="cute").backend == "cute"
+                continue
+            assert resolve_group_backend(topo, "auto") == "reference"
+            with pytest.raises(ValueError, match=f"CUDA available={cuda}, cutlass importable={cute}"):
+                resolve_group_backend(topo, "cute")
+            with pytest.raises(ValueError, match="backend 'cute' needs a CUDA device"):
+                make_topology(topo, E, backend="cute")
+
+
+def test_peer_buffer_arguments_are_checked():
+    for topo in ("tp", "dp_nvlink"):
+        t = make_topology(topo, E, backend="reference", max_tokens_per_rank=7, transport="ipc")
+        assert (t.max_tokens_per_rank, t.transport, t.peer_buffers) == (7, "ipc", None)
+        assert make_topology(topo, E).max_tokens_per_rank == distributed.DEFAULT_MAX_TOKENS_PER_RANK
+        with pytest.raises(ValueError, match="max_tokens_per_rank must be >= 1"):
+            make_topology(topo, E, max_tokens_per_rank=0)
+        with pytest.raises(TypeError, match="max_tokens_per_rank must be an int"):
+            make_topology(topo, E, max_tokens_per_rank=8.0)
+        with pytest.raises(ValueError, match="transport must be one of"):
+            make_topology(topo, E, transport="nvshmem")
+    for topo in ("local", "dp_p2p"):
+        with pytest.raises(ValueError, match="not to topology"):
+            make_topology(topo, E, max_tokens_per_rank=8)
+
+
+def facts(**over):
+    """Two ranks on two GPUs of one host with peer access to each other; `over` = {rank: {..}}."""
+    out = [{"host": "h", "gpu": f"g{r}", "peers": [f"g{1 - r}"], "cute": True, "unsupported": None}
+           for r in range(2)]
+    for r, changes in over.items():
+        out[int(r[1:])].update(changes)
+    return out
+
+
+@pytest.mark.parametrize("over,ok,reason", [
+    ({}, True, "2 ranks on 2 GPUs of one host"),
+    ({"r1": {"cute": False}}, False, "rank 1: nvidia-cutlass-dsl is not importable"),
+    ({"r0": {"unsupported": "dtype must be bf16"}}, False, "rank 0: no peer buffers for this call "
+                                                           "(dtype must be bf16)"),
+    ({"r1": {"host": "other"}}, False, "2 hosts"),
+    ({"r1": {"gpu": "g0", "peers": []}, "r0": {"peers": []}}, False, "2 ranks share 1 GPU"),
+    ({"r0": {"peers": []}}, False, "rank 0 has no CUDA peer access to the GPUs of ranks [1]"),
+])
+def test_auto_rule(over, ok, reason):
+    got, why = auto_picks_cute(facts(**over))
+    assert got is ok and reason in why, why
+
+
+def test_auto_rule_needs_two_ranks():
+    assert auto_picks_cute(facts()[:1]) == (False, "one rank: nothing to exchange over peer buffers")
+
+
+# --------------------------------------------------------------- host code, launches recorded
+@pytest.fixture
+def cute_on_cpu(monkeypatch, recorded):
+    """"cute" constructible and taking CPU tensors; kernels recorded; the local tp dispatch is
+    the reference one (the CuTeDSL one needs CUDA tensors). Yields the recorded launches."""
+    from moe_runtime.kernels import cute_ops, reference
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "cute_available", lambda: True)
+    monkeypatch.setattr(distributed, "CUTE_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(cute_ops, "dispatch", reference.dispatch)
+    yield recorded
+
+
+def batch(T, H=64, k=2, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).argsort(-1)[:, :k].to(torch.int32)
+    return torch.randn(T, H, generator=g).to(dtype), ids, torch.rand(T, k, generator=g)
+
+
+def test_cute_needs_cuda_tensors_and_auto_takes_the_reference_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "cute_available", lambda: True)
+    x, ids, w = batch(3)
+    for topo in ("tp", "dp_nvlink"):
+        with pytest.raises(ValueError, match="backend 'cute' needs cuda tensors, got x on cpu"):
+            make_topology(topo, E, backend="cute").dispatch(x, ids, w)
+        auto, ref = make_topology(topo, E, backend="auto"), make_topology(topo, E, backend="reference")
+        ys = []
+        for t in (auto, ref):
+            res = t.dispatch(x, ids, w)
+            ys.append(t.combine(res.expert_x, res))
+        assert torch.equal(ys[0], ys[1])
+        assert auto.backend == "auto" and auto.peer_buffers is None  # CPU calls settle nothing
+
+
+@pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])
+def test_buffers_sized_by_the_first_call_and_later_calls_checked_before_launch(cute_on_cpu, topo):
+    calls = cute_on_cpu
+    t = make_topology(topo, E, backend="cute", max_tokens_per_rank=16, align=4)
+    x, ids, w = batch(5)
+    res = t.dispatch(x, ids, w)
+    b = t.peer_buffers
+    assert b is res.handle["peer_buffers"] and b.mode == "virtual" and b.n_local == 1
+    assert b.spec == pb.PeerSpec(1, 16, 64, 2, E, torch.bfloat16, 4, all_to_all=topo != "tp")
+    t.combine(res.expert_x, res)
+    kernels_run = [c[0] for c in calls]
+    assert kernels_run == (["allreduce"] * 2 if topo == "tp" else ["dispatch", "combine", "combine"])
+    n = len(calls)
+    bad = {"hidden=32": batch(5, H=32), "dtype=torch.float16": batch(5, dtype=torch.float16),
+           "top_k=3": batch(5, k=3), "max_tokens_per_rank=16": batch(17)}
+    for what, args in bad.items():
+        with pytest.raises(ValueError, match=what.replace("[", r"\[")):
+            t.dispatch(*args)
+    assert len(calls) == n, "launched despite a failed check"
+    b.broken = "a device error"
+    with pytest.raises(RuntimeError, match="reset"):
+        t.dispatch(x, ids, w)
+    assert len(calls) == n
+    b.reset()
+    res = t.dispatch(*batch(16))  # the limit itself is allowed
+    t.combine(res.expert_x, res)
+    assert len(calls) == 2 * n
+
+
+@pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])
+def test_unsupported_first_call_raises_before_making_buffers(cute_on_cpu, topo):
+    t = make_topology(topo, E, backend="cute")
+    with pytest.raises(TypeError, match=f"{topo} rank 0, backend 'cute': dtype must be"):
+        t.dispatch(*batch(4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="16 bytes"):
+        t.dispatch(*batch(4, H=12))
+    assert t.peer_buffers is None and not cute_on_cpu
+
+
+# ----------------------------------------------------------------- two real ranks (gloo, CPU)
+def w_two_ranks(rank, world):
+    """Both cute topologies on 2 real ranks, host code only (a throwaway process: the patches
+    stay). Returns what the parent checks."""
+    os.environ["MOE_RUNTIME_SMS"] = "132"
+    torch.cuda.is_available = lambda: True
+    from _recorded import record_launches
+    from moe_runtime.kernels import cute_ops, reference
+    distributed.CUTE_DEVICE_TYPE = "cpu"
+    cute_ops.dispatch = reference.dispatch
+    calls = record_launches(setattr)
+    out = {}
+    # dp: uneven T (5 and 1), buffers for 200 > DECODE_MAX_TOKENS: both ranks must pick prefill
+    dp = make_topology("dp_nvlink", E, backend="cute", max_tokens_per_rank=200, transport="ipc")
+    x, ids, w = batch(5 if rank == 0 else 1, seed=rank)
+    res = dp.dispatch(x, ids, w)
+    dp.combine(res.expert_x, res)
+    b = dp.peer_buffers
+    out["dp"] = dict(mode=b.mode, rank0=b.rank0, n_local=b.n_local, xshape=tuple(res.expert_x.shape),
+                     xout_rows=b.spec.xout_rows, T_row=b.table[pb.F_ARG_T].tolist(),
+                     launches=[(c[0], c[1][0], c[2][3]) for c in calls], ep_mode=res.handle["ep"].mode)
+    calls.clear()
+    # tp: the same batch on both ranks; one-shot, then two-shot above 1 MiB of partials
+    tp = make_topology("tp", E, backend="cute", max_tokens_per_rank=9000, transport="ipc")
+    algos = []
+    for T in (3, 8200):
+        x, ids, w = batch(T, seed=7)
+        res = tp.dispatch(x, ids, w)
+        tp.combine(res.expert_x, res)
+        algos.append([(c[0], c[1][0], c[2][1]) for c in calls])  # (kernel, algo, T)
+        calls.clear()
+    out["tp"] = dict(mode=tp.peer_buffers.mode, algos=algos,
+                     recv_rows=tp.peer_buffers.view(pb.F_RECV_X).numel())
+    # a first call that differs across ranks: every rank raises
+    odd = make_topology("dp_nvlink", E, backend="cute", transport="ipc")
+    try:
+        odd.dispatch(*batch(2, H=64 if rank == 0 else 32))
+        out["odd"] = None
+    except ValueError as e:
+        out["odd"] = str(e)
+    out["odd_buffers"] = odd.peer_buffers
+    return out
+
+
+def test_two_real_ranks_host_code():
+    from moe_runtime.kernels import allreduce
+    from moe_runtime.kernels.ep_combine import PH_CREDUCE, PH_CSEND
+    from moe_runtime.kernels.ep_dispatch import PREFILL_PHASES
+    outs = run_distributed(w_two_ranks, 2, timeout_s=120)
+    for rank, o in enumerate(outs):
+        dp = o["dp"]
+        assert (dp["mode"], dp["rank0"], dp["n_local"]) == ("ipc", rank, 1)
+        assert dp["xshape"] == (dp["xout_rows"], 64) and dp["ep_mode"] == "prefill"
+        assert dp["T_row"][rank] == (5 if rank == 0 else 1)
+        assert dp["launches"] == ([("dispatch", ph, rank) for ph in PREFILL_PHASES]
+                                  + [("combine", PH_CSEND, rank), ("combine", PH_CREDUCE, rank)])
+        tp = o["tp"]
+        assert tp["mode"] == "ipc" and tp["recv_rows"] == 0
+        assert tp["algos"] == [[("allreduce", allreduce.COMBINE, 3), ("allreduce", allreduce.ONESHOT, 3)],
+                               [("allreduce", allreduce.COMBINE, 8200),
+                                ("allreduce", allreduce.TWOSHOT, 8200)]]
+        assert o["odd"] and "the first CUDA call differs across ranks in hidden: rank 0 64, " \
+                            "rank 1 32" in o["odd"], o["odd"]
+        assert o["odd_buffers"] is None
