@@ -159,6 +159,30 @@ def test_buffers_sized_by_the_first_call_and_later_calls_checked_before_launch(c
 
 
 @pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])
+def test_auto_over_the_token_limit(cute_on_cpu, monkeypatch, topo):
+    """Settled on cute, "auto" runs a tp call over max_tokens_per_rank on the reference path
+    (same T on every rank); dp_nvlink raises, naming the limit, before any launch."""
+    calls = cute_on_cpu
+    monkeypatch.setattr(distributed, "rank_peer_facts", lambda device: {})
+    monkeypatch.setattr(distributed, "auto_picks_cute", lambda facts: (True, "forced by the test"))
+    t = make_topology(topo, E, backend="auto", max_tokens_per_rank=8)
+    ref = make_topology(topo, E, backend="reference")
+    res = t.dispatch(*batch(8))
+    t.combine(res.expert_x, res)
+    assert t.backend == "cute" and calls
+    n = len(calls)
+    x, ids, w = batch(9)
+    if topo == "dp_nvlink":
+        with pytest.raises(ValueError, match="max_tokens_per_rank=8"):
+            t.dispatch(x, ids, w)
+    else:
+        res, res_ref = t.dispatch(x, ids, w), ref.dispatch(x, ids, w)
+        assert res.handle["peer_buffers"] is None
+        assert torch.equal(t.combine(res.expert_x, res), ref.combine(res_ref.expert_x, res_ref))
+    assert len(calls) == n, "launched over the limit"
+
+
+@pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])
 def test_unsupported_first_call_raises_before_making_buffers(cute_on_cpu, topo):
     t = make_topology(topo, E, backend="cute")
     with pytest.raises(TypeError, match=f"{topo} rank 0, backend 'cute': dtype must be"):

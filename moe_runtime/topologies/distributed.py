@@ -36,8 +36,10 @@ at least 2 ranks, CuTeDSL importable on every rank, buffers possible for the cal
 rows a multiple of 16 bytes), one host, every rank on its own GPU, and every rank's process
 seeing every other rank's GPU with CUDA peer access (so e.g. Ray actors that each see one GPU
 stay on "reference"). Calls with CPU tensors always take the reference path and settle nothing.
-Once settled on cute, "auto" behaves as "cute": a call over max_tokens_per_rank raises (no
-per-call fallback: the ranks of a dp call differ in T, so they could not agree on one).
+Once settled on cute, "auto" behaves as "cute" except above max_tokens_per_rank: there `tp`
+(every rank holds the same tokens, so all ranks take the same path) runs that call on the
+reference path, while `dp_nvlink` raises (its ranks differ in T, so they could not agree on a
+per-call fallback without another collective).
 """
 from __future__ import annotations
 
@@ -276,6 +278,8 @@ class PeerBufferTopology(GroupTopology):
     """
 
     all_to_all = True  # PeerSpec.all_to_all of this topology's buffers (tp: all-reduce only)
+    # "auto" runs calls over max_tokens_per_rank on the reference path (tp: same T on every rank)
+    auto_fallback_over_limit = False
 
     def __init__(self, num_experts: int, *, group=None, align: int = 1, backend: str = "auto",
                  timeout_s: Optional[float] = None,
@@ -294,6 +298,7 @@ class PeerBufferTopology(GroupTopology):
         self.transport = transport
         self.peer_buffers = None
         self.backend_reason: Optional[str] = None
+        self._asked_auto = self.backend == "auto"
 
     def _peer_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor):
         """The PeerBuffers for this call, or None for the reference path (see the class
@@ -309,6 +314,9 @@ class PeerBufferTopology(GroupTopology):
             self._create_peer_buffers(x, topk_ids)
             if self.peer_buffers is None:  # auto settled on the reference
                 return None
+        if (self._asked_auto and self.auto_fallback_over_limit
+                and x.shape[0] > self.max_tokens_per_rank):
+            return None
         bufs, s = self.peer_buffers, self.peer_buffers.spec
         got = (x.shape[1], x.dtype, topk_ids.shape[1])
         if got != (s.hidden, s.dtype, s.top_k) or x.device != bufs.device:

@@ -45,6 +45,7 @@ class TPTopology(PeerBufferTopology):
 
     name = "tp"
     all_to_all = False  # the cute backend needs the all-reduce buffers only
+    auto_fallback_over_limit = True  # every rank holds the same tokens: same path everywhere
 
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
         bufs = self._peer_buffers(x, topk_ids)
