@@ -105,6 +105,32 @@ def test_nvls_off_variables_win(monkeypatch):
         assert not ok and var in why
 
 
+def test_combine_needs_only_the_rows_the_dispatch_used(recorded):
+    """ep_dispatch reads each rank's expert_offsets[-1] with its error words (rows_used); the
+    combine then accepts expert_y of that many rows (what dp_nvlink's experts compute) and
+    refuses fewer before launching."""
+    from moe_runtime.kernels.ep_combine import ep_combine
+    from moe_runtime.kernels.ep_dispatch import ep_dispatch
+    b = bufs()
+    tokens = [3, 0, 16, 1]
+    x = torch.randn(20, 256, dtype=torch.bfloat16)
+    ids = torch.randint(0, 16, (20, 4), dtype=torch.int32)
+    used = [5, 0, 12, 7]
+    for r, n in enumerate(used):  # what the (recorded, not run) kernels would have written
+        b.expert_offsets(r)[-1] = n
+    h = ep_dispatch(b, x, ids, tokens, mode="prefill")
+    assert h.rows_used == used
+    w = torch.rand(20, 4)
+    eys = [torch.zeros(n, 256, dtype=torch.bfloat16) for n in used]
+    assert ep_combine(b, h, eys, w).shape == (20, 256)
+    n = len(recorded)
+    eys[2] = eys[2][:11]
+    with pytest.raises(ValueError, match=r"expert_y\[2\] must be contiguous .*\[>= 12, 256\]"):
+        ep_combine(b, h, eys, w)
+    assert len(recorded) == n
+    assert ep_dispatch(b, x, ids, tokens, mode="prefill", check=False).rows_used is None
+
+
 # ------------------------------------------------------------- host path up to the launch
 def test_host_paths_pass_the_compiled_signatures(recorded):
     """The kernels take the table and scalars only; every per-call array reaches them through

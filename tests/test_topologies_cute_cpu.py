@@ -211,6 +211,7 @@ def w_two_ranks(rank, world):
     dp.combine(res.expert_x, res)
     b = dp.peer_buffers
     out["dp"] = dict(mode=b.mode, rank0=b.rank0, n_local=b.n_local, xshape=tuple(res.expert_x.shape),
+                     rows_used=int(res.expert_offsets[-1]),
                      xout_rows=b.spec.xout_rows, T_row=b.table[pb.F_ARG_T].tolist(),
                      launches=[(c[0], c[1][0], c[2][3]) for c in calls], ep_mode=res.handle["ep"].mode)
     calls.clear()
@@ -244,7 +245,7 @@ def test_two_real_ranks_host_code():
     for rank, o in enumerate(outs):
         dp = o["dp"]
         assert (dp["mode"], dp["rank0"], dp["n_local"]) == ("ipc", rank, 1)
-        assert dp["xshape"] == (dp["xout_rows"], 64) and dp["ep_mode"] == "prefill"
+        assert dp["xshape"] == (dp["rows_used"], 64) and dp["ep_mode"] == "prefill"
         assert dp["T_row"][rank] == (5 if rank == 0 else 1)
         assert dp["launches"] == ([("dispatch", ph, rank) for ph in PREFILL_PHASES]
                                   + [("combine", PH_CSEND, rank), ("combine", PH_CREDUCE, rank)])

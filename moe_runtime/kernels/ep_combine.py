@@ -152,8 +152,10 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
 
     Args:
         handle: the NEWEST ep_dispatch handle of these buffers.
-        expert_y: per local rank [>= xout_rows, H] expert outputs in the handle's expert_x order
+        expert_y: per local rank [>= rows, H] expert outputs in the handle's expert_x order
             (a list, or one tensor when n_local == 1); may be the expert_x views themselves.
+            rows = handle.rows_used[r] (the dispatch's expert_offsets[-1]; every row the
+            combine reads is below it), or xout_rows when the dispatch ran with check=False.
         topk_weights: fp32 [sum T_r, k] (same rows as the dispatch's topk_ids).
         out: optional [sum T_r, H] output. Others: see ep_dispatch.
 
@@ -170,9 +172,10 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
     if len(eys) != bufs.n_local:
         raise ValueError(f"expert_y: need {bufs.n_local} tensor(s), got {len(eys)}")
     for r, e in enumerate(eys):
-        if (e.dim() != 2 or e.shape[0] < s.xout_rows or e.shape[1] != s.hidden
+        need = s.xout_rows if handle.rows_used is None else handle.rows_used[r]
+        if (e.dim() != 2 or e.shape[0] < need or e.shape[1] != s.hidden
                 or e.dtype != s.dtype or not e.is_contiguous() or e.device != bufs.device):
-            raise ValueError(f"expert_y[{r}] must be contiguous {s.dtype} [>= {s.xout_rows}, "
+            raise ValueError(f"expert_y[{r}] must be contiguous {s.dtype} [>= {need}, "
                              f"{s.hidden}] on {bufs.device}, got {e.dtype} {tuple(e.shape)}")
     n = sum(handle.tokens)
     if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, s.top_k):

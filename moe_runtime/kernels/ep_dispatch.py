@@ -303,6 +303,8 @@ class EPDispatchHandle:
         expert_x: per local rank, [xout_rows, H] rows in expert-major order (views into the
             peer buffers: valid until the next dispatch).
         expert_offsets: per local rank, int32 [E_local + 1] (views, same lifetime).
+        rows_used: per local rank, expert_offsets[-1] read on the host after the error check
+            (None with check=False): the rows the experts must compute and expert_y must hold.
     """
 
     epoch: int
@@ -313,6 +315,7 @@ class EPDispatchHandle:
     chunk: int
     expert_x: list[torch.Tensor] = field(repr=False)
     expert_offsets: list[torch.Tensor] = field(repr=False)
+    rows_used: list[int] | None = None
 
 
 def row_addrs(t: torch.Tensor, tokens: Sequence[int]) -> list[int]:
@@ -380,8 +383,9 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
             decides from the busiest virtual rank's T, or for a real rank (n_local = 1) from
             max_tokens_per_rank, so that every rank picks the same (see pick_mode).
         timeout_s, max_spins: bounds of every device wait.
-        check: read the error words after the launch (host sync) and raise PeerTimeoutError.
-            Pass False inside CUDA graphs and call bufs.check_errors() later.
+        check: read the error words after the launch (host sync) and raise PeerTimeoutError;
+            then also read each local rank's row count (handle.rows_used). Pass False inside
+            CUDA graphs and call bufs.check_errors() later.
         skip_rank: test hook: the CTAs of this (virtual) rank do nothing (a withheld rank).
 
     Returns:
@@ -415,4 +419,5 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     bufs._last_dispatch = epoch
     if check:
         bufs.check_errors(f"ep_dispatch ({mode}, epoch {epoch})")
+        handle.rows_used = torch.stack([o[-1] for o in handle.expert_offsets]).tolist()
     return handle

@@ -17,10 +17,11 @@ source sums over k in fp32 (j = 0..k-1, one cast, the order of reference.combine
 Every rank launches on every call, T = 0 included (its peers wait for its counts).
 
 Differences from the reference backend's DispatchResult: expert_x and expert_offsets are views
-of the peer buffers, valid until the next dispatch; expert_x has the buffers' full capacity
-(PeerSpec.xout_rows rows, those past expert_offsets[-1] unspecified), so expert_y needs as many
-rows; within an expert, rows are ordered by source rank, then in an order set by device atomics
-(not deterministic). Combine only the newest dispatch (an older result raises ValueError).
+of the peer buffers, valid until the next dispatch; expert_x holds expert_offsets[-1] rows (read
+on the host with the dispatch's error words, so the experts see decode-sized inputs at decode,
+not the buffers' capacity); within an expert, rows are ordered by source rank, then in an order
+set by device atomics (not deterministic). Combine only the newest dispatch (an older result
+raises ValueError).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class DPNVLinkTopology(PeerBufferTopology, DataParallelTopology):
             return super()._dispatch(x, topk_ids, topk_weights)
         from ..kernels.ep_dispatch import ep_dispatch
         h = ep_dispatch(bufs, x, topk_ids, **self._kernel_bounds())
-        return DispatchResult(h.expert_x[0], h.expert_offsets[0],
+        return DispatchResult(h.expert_x[0][:h.rows_used[0]], h.expert_offsets[0],
                               {"ep": h, "peer_buffers": bufs, "topk_weights": topk_weights})
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
