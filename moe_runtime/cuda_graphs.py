@@ -6,7 +6,7 @@ graph per bucket size (1, 2, 4, ..., 256 tokens by default), pads each call's ro
 smallest bucket that holds them, replays that bucket's graph and returns the first T rows.
 
 What the wrapped function must satisfy (MoELayer's forward does, on CUDA with the `cute` backend
-and bf16 on sm_90/sm_100; see `MoELayer.host_sync_free`):
+on sm_90/sm_100; see `MoELayer.host_sync_free`):
     * row-wise: row t of the output depends only on row t of the input, so rows past T (the
       padding) cannot change the real rows, and their outputs are dropped;
     * no host synchronization, no data-dependent host branching, and reads its parameters from

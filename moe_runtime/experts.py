@@ -25,7 +25,7 @@ def grouped_mm_supported(device_type: str, device_index: int | None, dtype: torc
     On CUDA, torch's grouped GEMM needs sm_90+ and bf16; on CPU recent torch supports all float
     dtypes. The probe runs outside any CUDA-graph capture (first use of a layer).
     """
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or (device_type == "cuda" and not torch.cuda.is_available()):
         return False
     dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     try:
@@ -50,7 +50,7 @@ def grouped_mm_host_sync_free(device: torch.device, dtype: torch.dtype) -> bool:
     device = torch.device(device)
     if device.type == "cpu":
         return True
-    if device.type != "cuda" or dtype != torch.bfloat16:
+    if device.type != "cuda" or dtype != torch.bfloat16 or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
@@ -90,7 +90,8 @@ class Experts(nn.Module):
     Args:
         num_local_experts, hidden_size, intermediate_size: E_local, H, I.
         gate_up_proj, down_proj: existing tensors to wrap without copying (optional).
-        use_grouped_mm: None = probe the device/dtype; False forces the per-expert loop.
+        use_grouped_mm: None = probe the device/dtype; False forces the per-expert loop; True
+            skips the probe (the GEMV and quack paths still come first where they apply).
         backend: kernel backend of the decode GEMV and the quack grouped GEMM ("auto": CuTeDSL
             on CUDA when importable; "reference": never, torch._grouped_mm instead).
     """
@@ -136,10 +137,12 @@ class Experts(nn.Module):
 
     def _quack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused
-        into the gate/up epilogue (kernels/grouped_gemm.py). Not under torch.compile: quack
-        traces only its autotuned variant there, so compiled graphs keep torch._grouped_mm."""
+        into the gate/up epilogue (kernels/grouped_gemm.py). Needs contiguous (K-major) weights.
+        Not under torch.compile: quack traces only its autotuned variant there, so compiled
+        graphs keep torch._grouped_mm."""
         return (device.type == "cuda" and self.use_grouped_mm is not False
                 and not torch.compiler.is_compiling()
+                and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous()
                 and self._rows_16b_aligned(dtype) and quack_supported(device.index, dtype)
                 and resolve_backend(self.backend, device) == "cute")
 

@@ -33,9 +33,10 @@ class MoELayer(nn.Module):
         Under `tp` every rank passes the same tokens and gets the full output; under `dp_*`
         each rank passes its own tokens (any count, 0 included).
 
-    Decode on CUDA: on the `local` topology with the `cute` backend and bf16 on sm_90/sm_100,
-    forward never synchronizes with the host (routing, dispatch and combine are CuTeDSL kernels,
-    the expert GEMMs are `torch._grouped_mm` with device offsets), so `enable_cuda_graphs()` can
+    Decode on CUDA: on the `local` topology with the `cute` backend on sm_90/sm_100 (bf16; fp16
+    too with quack-kernels installed), forward never synchronizes with the host (routing,
+    dispatch and combine are CuTeDSL kernels; the experts are the CuTeDSL GEMV, quack's grouped
+    GEMM or `torch._grouped_mm`, all with device offsets, see experts.py), so `enable_cuda_graphs()` can
     capture it per bucketed token count (see cuda_graphs.py). `torch._grouped_mm` needs no row
     alignment per expert (only 16-byte aligned rows, i.e. H and I multiples of 8), so `align`
     stays 1 by default on CUDA too.
@@ -104,8 +105,9 @@ class MoELayer(nn.Module):
         """Whether forward on `device` (default: the router weight's) never waits for the host.
 
         True on CUDA when routing and the topology resolve to the `cute` kernels, the topology is
-        `local`, and the expert GEMMs take torch's grouped-GEMM fast path (bf16, sm_90/sm_100);
-        always True on CPU (there is no device to wait for).
+        `local`, and the expert GEMMs are sync-free (`Experts.host_sync_free`: quack on
+        sm_90/sm_100 in bf16/fp16, or torch's grouped-GEMM fast path in bf16); always True on
+        CPU (there is no device to wait for).
         """
         device = torch.device(device if device is not None else self.router.weight.device)
         if device.type == "cpu":
@@ -137,7 +139,8 @@ class MoELayer(nn.Module):
 
         Raises:
             RuntimeError: forward on the layer's device is not host-sync-free (CPU, the
-                `reference` backend on CUDA, fp16/fp32 experts, a multi-rank topology), unless
+                `reference` backend on CUDA, fp32 experts, fp16 without quack-kernels, a
+                multi-rank topology), unless
                 capture_fn is given.
         """
         device = self.router.weight.device
@@ -145,7 +148,8 @@ class MoELayer(nn.Module):
             raise RuntimeError(
                 f"CUDA graphs need a host-sync-free forward on a CUDA device: got device {device}, "
                 f"topology {self.topology.name!r}, backend {self.router.backend!r}, dtype "
-                f"{self.config.dtype} (needs local + cute + bf16 on sm_90/sm_100)")
+                f"{self.config.dtype} (needs local + cute on sm_90/sm_100, bf16, or fp16 with "
+                "quack-kernels)")
         self.cuda_graphs = BucketedGraphs(
             self._forward_tokens, hidden_size=self.config.hidden_size, dtype=self.config.dtype,
             device=device, buckets=buckets, fingerprint=lambda: storage_fingerprint(self),

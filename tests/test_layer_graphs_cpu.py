@@ -11,7 +11,7 @@ import torch
 from moe_runtime import MoEConfig, MoELayer
 from moe_runtime.cuda_graphs import (DEFAULT_BUCKETS, BucketedGraphs, check_buckets, select_bucket,
                                      storage_fingerprint)
-from moe_runtime.experts import Experts, grouped_mm_host_sync_free
+from moe_runtime.experts import grouped_mm_supported, Experts, grouped_mm_host_sync_free
 from moe_runtime.topologies.local import LocalTopology
 from test_layer import naive_moe, rel_err
 
@@ -204,6 +204,10 @@ def test_grouped_mm_sync_free_rules():
     loop = Experts(2, 16, 8, dtype=torch.float32, use_grouped_mm=False)
     assert not loop.host_sync_free("cuda", torch.bfloat16)
     assert loop.host_sync_free("cpu", torch.float32)
+    if not torch.cuda.is_available():  # CPU-only torch: a question about CUDA is answered, not a crash
+        probed = Experts(2, 16, 8, dtype=torch.bfloat16)
+        assert not probed.host_sync_free("cuda", torch.bfloat16)
+        assert not grouped_mm_supported("cuda", None, torch.bfloat16)
 
 
 def test_bucketed_graphs_rejects_bad_input():

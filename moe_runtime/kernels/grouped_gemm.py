@@ -53,10 +53,12 @@ def _config(device_index: int):
                       cluster_n=CLUSTER_N, is_dynamic_persistent=False, device_capacity=major)
 
 
-def _check(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, k_dim: int) -> None:
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[k_dim]:
+def _check(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"rows [N, K] and weights [E, M, K] must agree on K, got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
+    if not w.is_contiguous():
+        raise ValueError("expert weights must be contiguous [E, M, K] (quack reads them K-major)")
     if x.dtype != w.dtype:
         raise TypeError(f"rows and weights must share a dtype, got {x.dtype} and {w.dtype}")
     if offsets.dtype != torch.int32 or tuple(offsets.shape) != (w.shape[0] + 1,):
@@ -88,9 +90,9 @@ def swiglu_grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor,
         [N, I] in x.dtype (fp32 accumulation; rows past offsets[E] unspecified).
 
     Raises:
-        ValueError / TypeError: mismatched shapes, dtypes or devices.
+        ValueError / TypeError: mismatched shapes, dtypes or devices; non-contiguous weights.
     """
-    _check(x, expert_offsets, gate_up_proj, 2)
+    _check(x, expert_offsets, gate_up_proj)
     return _run(x, expert_offsets, gate_up_proj.transpose(-2, -1), "swiglu")
 
 
@@ -106,7 +108,7 @@ def grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Te
         [N, M] in x.dtype (fp32 accumulation; rows past offsets[E] unspecified).
 
     Raises:
-        ValueError / TypeError: mismatched shapes, dtypes or devices.
+        ValueError / TypeError: mismatched shapes, dtypes or devices; non-contiguous weights.
     """
-    _check(x, expert_offsets, weight, 2)
+    _check(x, expert_offsets, weight)
     return _run(x, expert_offsets, weight.transpose(-2, -1), None)

@@ -1,0 +1,40 @@
+"""kernels/grouped_gemm.py on a CPU-only machine: input checks at the Python boundary (before
+quack is imported) and the availability rule."""
+import pytest
+import torch
+
+from moe_runtime.kernels import grouped_gemm as gg
+
+
+def _args(E=4, H=64, I=32, N=10, dtype=torch.bfloat16):
+    x = torch.randn(N, H, dtype=dtype)
+    w13 = torch.randn(E, 2 * I, H, dtype=dtype)
+    w2 = torch.randn(E, H, I, dtype=dtype)
+    offsets = torch.tensor([0, 3, 3, 7, 10], dtype=torch.int32)
+    return x, offsets, w13, w2
+
+
+@pytest.mark.parametrize("mutate,err,match", [
+    (lambda x, o, w: (x, o, w[:, :, :-8]), ValueError, "agree on K"),
+    (lambda x, o, w: (x, o, w.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "contiguous"),
+    (lambda x, o, w: (x.half(), o, w), TypeError, "share a dtype"),
+    (lambda x, o, w: (x, o.long(), w), ValueError, "expert_offsets must be int32"),
+    (lambda x, o, w: (x, o[:-1], w), ValueError, r"int32 \[5\]"),
+    (lambda x, o, w: (x, o, w), ValueError, "one CUDA device"),
+])
+def test_bad_inputs_raise_before_any_launch(mutate, err, match):
+    x, offsets, w13, _ = _args()
+    with pytest.raises(err, match=match):
+        gg.swiglu_grouped_gemm(*mutate(x, offsets, w13))
+
+
+def test_down_projection_checks_its_own_k():
+    x, offsets, _, w2 = _args()
+    with pytest.raises(ValueError, match="agree on K"):
+        gg.grouped_gemm(x, offsets, w2)  # down_proj's K is I = 32, rows have H = 64
+
+
+def test_quack_is_not_supported_without_cuda_or_for_fp32():
+    assert not gg.quack_supported(None, torch.float32)
+    if not torch.cuda.is_available():
+        assert not gg.quack_supported(None, torch.bfloat16)
