@@ -224,3 +224,74 @@ def test_real_rank_dispatch_mode_follows_the_token_limit(recorded):
             assert phases == ([PH_ALL] if want == "decode" else list(PREFILL_PHASES))
             assert all(c[2][3] == 1 for c in recorded)  # rank0 = this rank
             assert b.table[pb.F_ARG_T].tolist() == [0, T]
+
+
+@pytest.mark.parametrize("kernel,fails", [("dispatch", "PH_RECV"), ("combine", "PH_CREDUCE"),
+                                          ("allreduce", "ONESHOT")])
+def test_a_compile_error_leaves_epochs_unchanged(recorded, monkeypatch, kernel, fails):
+    """Every launch of a call is compiled before its epoch is reserved: a compile failure (of
+    the last phase) launches nothing and leaves the protocol state as it was."""
+    from moe_runtime.kernels import allreduce, ep_combine, ep_dispatch
+    mod = {"dispatch": ep_dispatch, "combine": ep_combine, "allreduce": allreduce}[kernel]
+    name = f"compile_{kernel}"
+    record, bad = getattr(mod, name), getattr(mod, fails)
+
+    def compile_(phase, *key, **kw):
+        if phase == bad:
+            raise RuntimeError("compile failed")
+        return record(phase, *key, **kw)
+
+    b = bufs()
+    tokens = [3, 0, 16, 1]
+    x = torch.randn(20, 256, dtype=torch.bfloat16)
+    ids = torch.randint(0, 16, (20, 4), dtype=torch.int32)
+    h = ep_dispatch.ep_dispatch(b, x, ids, tokens, mode="prefill")
+    state = (b.epoch, b.sig_epoch, b._last_dispatch, len(recorded))
+    monkeypatch.setattr(mod, name, compile_)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        if kernel == "dispatch":
+            ep_dispatch.ep_dispatch(b, x, ids, tokens, mode="prefill")
+        elif kernel == "combine":
+            ep_combine.ep_combine(b, h, h.expert_x, torch.rand(20, 4))
+        else:
+            allreduce.tp_combine_all_reduce(b, [torch.zeros(8, 256, dtype=torch.bfloat16)] * 4,
+                                            torch.full((4, 2, 4), -1, dtype=torch.int32),
+                                            torch.rand(2, 4))
+    assert (b.epoch, b.sig_epoch, b._last_dispatch, len(recorded)) == state
+
+
+# ------------------------------------------------------------ real ranks (gloo, CPU): transport
+def w_from_process_group(rank, world, symm_ok):
+    """PeerBuffers.from_process_group on CPU with torch symmetric memory faked: it works on the
+    ranks where symm_ok[rank] (a stand-in heap), fails on the others."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    def empty(n, dtype, device):
+        if not symm_ok[rank]:
+            raise RuntimeError(f"no symmetric memory on rank {rank}")
+        return torch.zeros(n, dtype=dtype, device=device)
+
+    symm_mem.empty = empty
+    symm_mem.rendezvous = lambda t, group: type("Handle", (), {"buffer_ptrs": [t.data_ptr()] * world})
+    spec = pb.PeerSpec(world, 4, 256, 2, 4)
+    out = {"auto": pb.PeerBuffers.from_process_group(spec, device="cpu").mode}
+    try:
+        out["symm_mem"] = pb.PeerBuffers.from_process_group(spec, device="cpu",
+                                                            transport="symm_mem").mode
+    except RuntimeError as e:
+        out["symm_mem"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("symm_ok", [(True, False), (True, True)])
+def test_auto_transport_is_the_same_on_every_rank(symm_ok):
+    """transport "auto": symm_mem failing on one rank only sends EVERY rank to CUDA IPC (the
+    ranks gather who succeeded); "symm_mem" then raises on every rank, naming the failing one."""
+    from _dist import run_distributed
+    for o in run_distributed(w_from_process_group, 2, symm_ok, timeout_s=120):
+        if all(symm_ok):
+            assert o == {"auto": "symm_mem", "symm_mem": "symm_mem"}
+        else:
+            assert o["auto"] == "ipc"
+            assert o["symm_mem"] == ("peer buffers: torch symmetric memory failed on rank(s) 1: "
+                                     "RuntimeError: no symmetric memory on rank 1")

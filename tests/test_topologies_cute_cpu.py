@@ -3,8 +3,10 @@
 Backend resolution and the "auto" rule; the errors of "cute" without CUDA; and the host code of
 both backends with the compiled kernels replaced by recorders (tests/_recorded.py) and the cute
 device type set to "cpu": peer buffers created on the first call, sized from it, the checks of
-later calls (before any launch), and, in 2 gloo processes, the real-rank buffers
-(PeerBuffers.from_process_group with transport "ipc") and the launches every rank makes.
+later calls (before any launch), buffers shared by the topologies of equal shapes, and, in 2
+gloo processes, the real-rank buffers (PeerBuffers.from_process_group with transport "ipc"),
+the launches every rank makes, errors raised on every rank, and "auto" settled by all ranks
+together.
 The kernels themselves run in tests/gpu/test_topologies_cute_gpu.py.
 """
 from __future__ import annotations
@@ -39,12 +41,13 @@ def test_resolve_rules(monkeypatch):
         with pytest.raises(BackendNotImplementedError):
             resolve_group_backend("dp_p2p", "cute")
         for topo in ("tp", "dp_nvlink"):
-            if cuda and cute:  # "auto" is settled by the first CUDA call
-                assert resolve_group_backend(topo, "auto") == "auto"
+            # "auto" is settled by the first CUDA call, together with the peers, on any rank
+            assert resolve_group_backend(topo, "auto") == "auto"
+            assert make_topology(topo, E).backend == "auto"
+            if cuda and cute:
                 assert resolve_group_backend(topo, "cute") == "cute"
                 assert make_topology(topo, E, backend="cute").backend == "cute"
                 continue
-            assert resolve_group_backend(topo, "auto") == "reference"
             with pytest.raises(ValueError, match=f"CUDA available={cuda}, cutlass importable={cute}"):
                 resolve_group_backend(topo, "cute")
             with pytest.raises(ValueError, match="backend 'cute' needs a CUDA device"):
@@ -192,6 +195,50 @@ def test_unsupported_first_call_raises_before_making_buffers(cute_on_cpu, topo):
     assert t.peer_buffers is None and not cute_on_cpu
 
 
+def test_topologies_share_peer_buffers_per_group_spec_device_transport(cute_on_cpu):
+    """Every MoE layer builds its own topology: those with the same group, PeerSpec, device and
+    transport share one PeerBuffers (made by the first), held weakly by the registry."""
+    import gc
+    calls = cute_on_cpu
+
+    def mk(topo, **kw):
+        return make_topology(topo, E, backend="cute", max_tokens_per_rank=16, **kw)
+
+    x, ids, w = batch(5)
+    layers = [mk("dp_nvlink") for _ in range(3)] + [mk("tp"), mk("dp_nvlink", transport="ipc"),
+                                                     mk("dp_nvlink", align=4)]
+    for t in layers:
+        t.dispatch(x, ids, w)
+    b = layers[0].peer_buffers
+    assert all(t.peer_buffers is b for t in layers[:3])
+    assert len({id(t.peer_buffers) for t in layers}) == 4  # tp, transport, align: other buffers
+    # back-to-back layers: combine each dispatch before the next; an older one is stale
+    r1 = layers[1].dispatch(x, ids, w)
+    layers[1].combine(r1.expert_x, r1)
+    r2 = layers[2].dispatch(x, ids, w)
+    n = len(calls)
+    with pytest.raises(ValueError, match="stale"):
+        layers[1].combine(r1.expert_x, r1)
+    assert len(calls) == n
+    layers[2].combine(r2.expert_x, r2)
+    # a device error breaks the buffers for every sharer; one reset repairs them for all
+    b.broken = "a device error"
+    for t in layers[:3]:
+        with pytest.raises(RuntimeError, match="reset"):
+            t.dispatch(x, ids, w)
+    b.reset()
+    layers[0].dispatch(x, ids, w)
+    # the registry does not keep buffers alive: without topologies, new ones are made
+    key = (None, b.spec, x.device, "auto")
+    assert distributed._SHARED[key] is b
+    del layers, t, b, r1, r2
+    gc.collect()
+    assert key not in distributed._SHARED
+    t = mk("dp_nvlink")
+    t.dispatch(x, ids, w)
+    assert distributed._SHARED[key] is t.peer_buffers
+
+
 # ----------------------------------------------------------------- two real ranks (gloo, CPU)
 def w_two_ranks(rank, world):
     """Both cute topologies on 2 real ranks, host code only (a throwaway process: the patches
@@ -234,6 +281,24 @@ def w_two_ranks(rank, world):
     except ValueError as e:
         out["odd"] = str(e)
     out["odd_buffers"] = odd.peer_buffers
+    # a second layer with dp's shapes reuses dp's buffers (after the same setup gather)
+    dp2 = make_topology("dp_nvlink", E, backend="cute", max_tokens_per_rank=200, transport="ipc")
+    res = dp2.dispatch(*batch(2, seed=rank))
+    dp2.combine(res.expert_x, res)
+    out["shared"] = dp2.peer_buffers is dp.peer_buffers
+    # rank 0 lost its registry entry: every rank makes new buffers (none waits in a lone gather)
+    if rank == 0:
+        distributed._SHARED.clear()
+    dp3 = make_topology("dp_nvlink", E, backend="cute", max_tokens_per_rank=200, transport="ipc")
+    dp3.dispatch(*batch(2, seed=rank))
+    out["remade"] = dp3.peer_buffers is not dp.peer_buffers
+    # an unsupported first call on rank 1 only: every rank raises, naming rank 1, same type
+    for bad in (dict(dtype=torch.float32), dict(H=12)):
+        t = make_topology("dp_nvlink", E, backend="cute", transport="ipc")
+        try:
+            t.dispatch(*batch(2, **(bad if rank == 1 else {})))
+        except (TypeError, ValueError) as e:
+            out.setdefault("unsupported", []).append((type(e).__name__, str(e)))
     return out
 
 
@@ -257,3 +322,52 @@ def test_two_real_ranks_host_code():
         assert o["odd"] and "the first CUDA call differs across ranks in hidden: rank 0 64, " \
                             "rank 1 32" in o["odd"], o["odd"]
         assert o["odd_buffers"] is None
+        assert o["shared"] and o["remade"]
+        (kind0, msg0), (kind1, msg1) = o["unsupported"]
+        assert kind0 == "TypeError" and msg0.startswith(
+            "dp_nvlink rank 1, backend 'cute': dtype must be torch.bfloat16"), msg0
+        assert kind1 == "ValueError" and msg1.startswith(
+            "dp_nvlink rank 1, backend 'cute': hidden=12: rows must be a multiple of 16 bytes"), msg1
+
+
+def w_auto_two_ranks(rank, world, cute_on):
+    """backend "auto" on 2 real ranks whose CuTeDSL availability is cute_on[rank]: the
+    construction leaves it unresolved on both, so both join the first CUDA call's gather and
+    settle the same way. Facts of two GPUs with peer access stand in for the CUDA queries."""
+    os.environ["MOE_RUNTIME_SMS"] = "132"
+    torch.cuda.is_available = lambda: True
+    from _recorded import record_launches
+    from moe_runtime.kernels import cute_ops, reference
+    kernels.cute_available = lambda: cute_on[rank]
+    distributed.CUTE_DEVICE_TYPE = "cpu"
+    distributed.rank_peer_facts = lambda device: {"host": "h", "gpu": f"g{rank}",
+                                                  "peers": [f"g{1 - rank}"]}
+    cute_ops.dispatch = reference.dispatch
+    calls = record_launches(setattr)
+    t = make_topology("tp", E, backend="auto", transport="ipc")
+    before = t.backend
+    res = t.dispatch(*batch(3, seed=7))
+    t.combine(res.expert_x, res)
+    out = dict(before=before, after=t.backend, reason=t.backend_reason, launches=len(calls),
+               buffers=None if t.peer_buffers is None else t.peer_buffers.mode)
+    try:  # CPU tensors once settled: the reference path while "reference", an error on cute
+        x, ids, w = batch(3, seed=7)
+        distributed.CUTE_DEVICE_TYPE = "cuda"
+        res = t.dispatch(x, ids, w)
+        out["cpu_call"] = "reference"
+    except ValueError as e:
+        out["cpu_call"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("cute_on", [(True, False), (True, True)])
+def test_auto_is_settled_by_every_rank_together(cute_on):
+    for rank, o in enumerate(run_distributed(w_auto_two_ranks, 2, cute_on, timeout_s=120)):
+        assert o["before"] == "auto"
+        if all(cute_on):
+            assert (o["after"], o["buffers"], o["launches"]) == ("cute", "ipc", 2), o
+            assert "backend 'cute' needs cuda tensors, got x on cpu" in o["cpu_call"]
+        else:
+            assert (o["after"], o["buffers"], o["launches"]) == ("reference", None, 0), o
+            assert "rank 1: nvidia-cutlass-dsl is not importable" in o["reason"]
+            assert o["cpu_call"] == "reference"

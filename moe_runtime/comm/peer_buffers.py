@@ -17,7 +17,8 @@ Modes (PeerBuffers.mode):
     "ipc"       same, peer heap exchanged as CUDA IPC handles over the group (all_gather_object).
                 Real modes have n_local = 1, rank0 = the group rank.
     Real modes back the `cute` backends of the tp and dp_nvlink topologies
-    (topologies/distributed.py, PeerBufferTopology). tests/gpu/test_topologies_cute_gpu.py runs
+    (topologies/distributed.py, PeerBufferTopology; the topologies of one group share one
+    PeerBuffers per spec, device and transport). tests/gpu/test_topologies_cute_gpu.py runs
     "ipc" with two processes on ONE GPU (CUDA IPC works between processes on one device);
     "symm_mem" and ranks on separate GPUs (NVLink peers) have not run yet (needs >= 2 GPUs).
 
@@ -38,12 +39,15 @@ host-synchronous) is needed.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from .groups import all_gather_object
 
 # ---- table fields: (name, peer-visible, element dtype); shapes come from PeerSpec.shapes() ----
 F_RECV_X = 0        # [W, S, H] x.dtype        rows sent to this rank, per source region
@@ -244,6 +248,11 @@ class HeapLayout:
         return cls(offsets, size[True], size[False], shapes)
 
 
+def _on_device(device: torch.device):
+    """`device` as the current CUDA device (NCCL collectives use it); nothing for other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def nvls_allowed(device: torch.device | int | None = None) -> tuple[bool, str]:
     """May NVLS (multicast, multimem.*) be used? Needs the device's multicast attribute and none
     of NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
@@ -328,34 +337,51 @@ class PeerBuffers:
         """One rank per process over `group` (a collective: every rank of the group calls it).
 
         transport: "symm_mem" (torch symmetric memory rendezvous), "ipc" (CUDA IPC handles via
-        all_gather_object) or "auto" (symm_mem, falling back to ipc when it fails).
-        Raises ValueError when group size != spec.world_size.
+        all_gather_object) or "auto" (symm_mem; when it fails on any rank, every rank uses
+        ipc). The ranks gather whether symm_mem worked on each, so they all pick the same.
+        The allocation and the gathers run with `device` as the current CUDA device (NCCL
+        object gathers use it).
+
+        Raises:
+            ValueError: group size != spec.world_size.
+            RuntimeError: transport "symm_mem" failed on some rank (raised on every rank,
+                naming the failing ranks and their errors).
+            CollectiveError: a peer did not join a gather within the group timeout.
         """
         import torch.distributed as dist
+        group = group if group is not None else dist.group.WORLD
         rank, W = dist.get_rank(group), dist.get_world_size(group)
         if W != spec.world_size:
             raise ValueError(f"group has {W} ranks, spec.world_size={spec.world_size}")
         device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
-        lay = HeapLayout.of(spec)
-        local = torch.empty(lay.local_bytes, dtype=torch.uint8, device=device)
-        if transport in ("symm_mem", "auto"):
-            try:
-                import torch.distributed._symmetric_memory as symm_mem
-                peer = symm_mem.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
-                hdl = symm_mem.rendezvous(peer, group if group is not None else dist.group.WORLD)
-                addrs = list(hdl.buffer_ptrs)
-                return cls(spec, device, "symm_mem", rank, [peer], [local], addrs, (peer, hdl),
-                           group=group if group is not None else dist.group.WORLD)
-            except Exception:
+        with _on_device(device):
+            lay = HeapLayout.of(spec)
+            local = torch.empty(lay.local_bytes, dtype=torch.uint8, device=device)
+            if transport in ("symm_mem", "auto"):
+                peer = hdl = error = None
+                try:
+                    import torch.distributed._symmetric_memory as symm_mem
+                    peer = symm_mem.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
+                    hdl = symm_mem.rendezvous(peer, group)
+                    addrs = list(hdl.buffer_ptrs)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+                errors = all_gather_object(error, group=group, step="peer buffers: symm_mem")
+                failed = {r: e for r, e in enumerate(errors) if e is not None}
+                if not failed:
+                    return cls(spec, device, "symm_mem", rank, [peer], [local], addrs,
+                               (peer, hdl), group=group)
                 if transport == "symm_mem":
-                    raise
-        from torch.multiprocessing.reductions import reduce_tensor
-        peer = torch.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
-        handles = [None] * W
-        dist.all_gather_object(handles, reduce_tensor(peer), group=group)
-        mapped = [peer if r == rank else fn(*args) for r, (fn, args) in enumerate(handles)]
-        return cls(spec, device, "ipc", rank, [peer], [local], [m.data_ptr() for m in mapped],
-                   (peer, mapped), group=group if group is not None else dist.group.WORLD)
+                    raise RuntimeError("peer buffers: torch symmetric memory failed on rank(s) "
+                                       + "; ".join(f"{r}: {e}" for r, e in failed.items()))
+                peer = hdl = None  # free this rank's symm_mem heap, if any, before the ipc one
+            from torch.multiprocessing.reductions import reduce_tensor
+            peer = torch.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
+            handles = all_gather_object(reduce_tensor(peer), group=group,
+                                        step="peer buffers: ipc handles")
+            mapped = [peer if r == rank else fn(*args) for r, (fn, args) in enumerate(handles)]
+            return cls(spec, device, "ipc", rank, [peer], [local], [m.data_ptr() for m in mapped],
+                       (peer, mapped), group=group)
 
     # ---- views -----------------------------------------------------------------------------
     def view(self, f: int, local_rank: int = 0) -> torch.Tensor:
@@ -425,14 +451,15 @@ class PeerBuffers:
             raise (PeerDataError if data else PeerTimeoutError)(what, errs)
 
     def reset(self) -> None:
-        """Zero every heap and restart epochs (host-synchronous; all ranks must reset together)."""
+        """Zero every heap and restart epochs (host-synchronous; all ranks must reset together:
+        a bounded collective; buffers shared by several topologies need ONE reset per rank)."""
         for h in self.peer_heaps + self.local_heaps:
             h.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.group is not None:  # no peer may write into a heap before its owner zeroed it
-            import torch.distributed as dist
-            dist.barrier(group=self.group)
+            with _on_device(self.device):
+                all_gather_object(None, group=self.group, step="peer buffers: reset")
         self.epoch = 0
         self.sig_epoch = 0
         self.broken = None

@@ -172,14 +172,20 @@ def ar_input(bufs: pb.PeerBuffers, T: int, local_rank: int = 0) -> torch.Tensor:
     return bufs.view(pb.F_AR_IN, local_rank)[:T]
 
 
-def _launch(bufs, algo_code, T, out, args, timeout_s, max_spins, check, skip_rank, what):
+def _compiled(bufs, algo_code):
+    """The compiled launch of algo_code for these buffers (compile before reserving epochs:
+    a compile error then leaves the protocol state unchanged)."""
     s = bufs.spec
+    return compile_allreduce(algo_code, s.hidden, s.top_k, s.world_size,
+                             ctas_per_rank(bufs.n_local, True), bufs.n_local,
+                             str(s.dtype).removeprefix("torch."))
+
+
+def _launch(bufs, f, algo_code, T, out, args, timeout_s, max_spins, check, skip_rank, what):
+    """Launch f (= _compiled(bufs, algo_code)) after reserving its barrier epochs."""
     ns, spins = wait_bounds(timeout_s, max_spins)
     bufs.set_args({pb.F_ARG_Y: [o.data_ptr() for o in out], **args})
     epoch = bufs.take_sig_epochs(SIG_EPOCHS[algo_code])
-    cpr = ctas_per_rank(bufs.n_local, True)
-    f = compile_allreduce(algo_code, s.hidden, s.top_k, s.world_size, cpr, bufs.n_local,
-                          str(s.dtype).removeprefix("torch."))
     bufs.launch(f, T, epoch, bufs.rank0, skip_rank, ns, spins)
     if check:
         bufs.check_errors(what)
@@ -232,8 +238,8 @@ def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = Non
     out = _out(bufs, T, out)
     if T == 0:
         return out
-    return _launch(bufs, ALGOS[name], T, out, {}, timeout_s, max_spins, check, skip_rank,
-                   f"all_reduce ({name})")
+    return _launch(bufs, _compiled(bufs, ALGOS[name]), ALGOS[name], T, out, {}, timeout_s,
+                   max_spins, check, skip_rank, f"all_reduce ({name})")
 
 
 def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor],
@@ -277,14 +283,15 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
     out = _out(bufs, T, out)
     if T == 0:
         return out
+    f_combine, f_reduce = _compiled(bufs, COMBINE), _compiled(bufs, ALGOS[name])
     slot = token_slot.contiguous()
     w = topk_weights.contiguous()
     args = {pb.F_ARG_EY: [e.data_ptr() for e in eys], pb.F_ARG_ROWS: [e.shape[0] for e in eys],
             pb.F_ARG_SLOT: [t.data_ptr() for t in slot],
             pb.F_ARG_W: [w.data_ptr()] * bufs.n_local}
-    _launch(bufs, COMBINE, T, out, args, timeout_s, max_spins, False, skip_rank,
+    _launch(bufs, f_combine, COMBINE, T, out, args, timeout_s, max_spins, False, skip_rank,
             "tp_combine_all_reduce")  # (errors checked once, after the all-reduce)
-    out = _launch(bufs, ALGOS[name], T, out, {}, timeout_s, max_spins, check, skip_rank,
-                  f"tp_combine_all_reduce ({name})")
+    out = _launch(bufs, f_reduce, ALGOS[name], T, out, {}, timeout_s, max_spins, check,
+                  skip_rank, f"tp_combine_all_reduce ({name})")
     del slot, w  # (stream-ordered frees: safe while the kernel runs)
     return out

@@ -195,9 +195,10 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
     dname = str(s.dtype).removeprefix("torch.")
     decode = handle.mode == "decode"
     cpr = ctas_per_rank(bufs.n_local, decode)
-    for ph in (PH_CSEND, PH_CREDUCE):
-        f = compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
-                            handle.chunk, cpr, bufs.n_local, dname)
+    launches = [compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
+                                handle.chunk, cpr, bufs.n_local, dname)
+                for ph in (PH_CSEND, PH_CREDUCE)]  # both compiled before the first launch
+    for f in launches:
         bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
     if check:
         bufs.check_errors(f"ep_combine ({handle.mode}, epoch {handle.epoch})")

@@ -30,13 +30,15 @@ Flags never go stale: epochs grow per call and waits use a wrap-safe >=, so buff
 without a memset.
 
 Topology hook: topologies/dp_nvlink.py (the `cute` backend) creates the buffers on its first
-call (PeerBuffers.from_process_group, shared with tp in topologies/distributed.py) and calls
+call, or reuses those of an earlier topology with the same group and shapes
+(PeerBuffers.from_process_group; topologies/distributed.py, PeerBufferTopology), and calls
 
     h = ep_dispatch(bufs, x, topk_ids)                  # [T, H], int32 [T, k]; one rank
-    DispatchResult(h.expert_x[0], h.expert_offsets[0], {"ep": h, ...})
+    DispatchResult(h.expert_x[0][:h.rows_used[0]], h.expert_offsets[0], {"ep": h, ...})
     y = ep_combine(bufs, h, expert_y, topk_weights)     # y [T, H]
-expert_x is the full-capacity view [xout_rows, H] (rows past expert_offsets[-1] unspecified),
-so the experts must honour expert_offsets and expert_y must have >= xout_rows rows.
+h.expert_x[0] is the full-capacity view [xout_rows, H]; the topology slices it to the rows the
+dispatch used (h.rows_used, expert_offsets[-1] read on the host after the error check), so the
+experts compute only those rows and expert_y needs >= rows_used rows.
 
 Status (issue 5, H200, W in {2, 4, 8} virtual ranks): this dispatch (both modes), ep_combine
 and the tp all-reduce equal their torch references in tests/gpu/test_multirank_virtual_gpu.py
@@ -401,17 +403,18 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     tokens = check_inputs(bufs, x, topk_ids, tokens_per_rank)
     mode = pick_mode(mode, max(tokens) if bufs.n_local == s.world_size else s.max_tokens_per_rank)
     chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
+    ns, spins = wait_bounds(timeout_s, max_spins)
+    dname = str(s.dtype).removeprefix("torch.")
+    cpr = ctas_per_rank(bufs.n_local, mode == "decode")
+    # every launch compiled before the epoch advances: a compile error changes no protocol state
+    launches = [compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts, chunk,
+                                 cpr, bufs.n_local, s.align, dname)
+                for ph in ((PH_ALL,) if mode == "decode" else PREFILL_PHASES)]
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     bufs.set_args({pb.F_ARG_X: row_addrs(x, tokens), pb.F_ARG_IDS: row_addrs(topk_ids, tokens),
                    pb.F_ARG_T: tokens})
     epoch = bufs.next_epoch()
-    ns, spins = wait_bounds(timeout_s, max_spins)
-    dname = str(s.dtype).removeprefix("torch.")
-    phase_list = (PH_ALL,) if mode == "decode" else PREFILL_PHASES
-    cpr = ctas_per_rank(bufs.n_local, mode == "decode")
-    for ph in phase_list:
-        f = compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts, chunk,
-                             cpr, bufs.n_local, s.align, dname)
+    for f in launches:
         bufs.launch(f, epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
     handle = EPDispatchHandle(epoch, tokens, topk_ids, x, mode, chunk,
                               [bufs.expert_x(i) for i in range(bufs.n_local)],

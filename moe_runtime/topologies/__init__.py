@@ -41,7 +41,10 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         timeout_s: per-collective bound for the multi-rank topologies (None = group timeout);
             the cute backends bound each device-side wait with it.
         max_tokens_per_rank, transport: peer buffer sizing and transport of the cute backends
-            of "tp" and "dp_nvlink" (distributed.PeerBufferTopology; None = its default).
+            of "tp" and "dp_nvlink" (distributed.PeerBufferTopology; None = its default,
+            max_tokens_per_rank 1024). dp_nvlink's cute dispatch is the one-launch decode
+            dispatch only with max_tokens_per_rank <= ep_dispatch.DECODE_MAX_TOKENS (128); with
+            the default it always runs the 4-launch prefill dispatch.
 
     Raises:
         ValueError: unknown name (the message lists the known ones), bad backend, "cute"
@@ -78,6 +81,6 @@ __all__ = [
     "TOPOLOGIES", "make_topology", "Topology", "DispatchResult", "validate_routing",
     "LocalTopology", "TPTopology", "DPNVLinkTopology", "DPP2PTopology", "DataParallelTopology",
     "GroupTopology", "PeerBufferTopology", "BackendNotImplementedError", "resolve_group_backend",
-    "auto_picks_cute",
+    "auto_picks_cute", "CUTE_TOPOLOGIES",
     "ClusterInfo", "ParallelConfig", "Selection", "select_topology",
 ]

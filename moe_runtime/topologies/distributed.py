@@ -30,21 +30,33 @@ kernels/ep_dispatch.py, kernels/ep_combine.py) over peer buffers (comm/peer_buff
 first CUDA call creates. `dp_p2p` (NVSHMEM) has no cute backend yet: "cute" raises
 BackendNotImplementedError there.
 
-"auto" for tp / dp_nvlink is "reference" unless the cute backend is safe, decided ONCE, at the
-first call with CUDA tensors, from facts every rank reports (a collective: `auto_picks_cute`):
-at least 2 ranks, CuTeDSL importable on every rank, buffers possible for the call (bf16/fp16,
-rows a multiple of 16 bytes), one host, every rank on its own GPU, and every rank's process
-seeing every other rank's GPU with CUDA peer access (so e.g. Ray actors that each see one GPU
-stay on "reference"). Calls with CPU tensors always take the reference path and settle nothing.
-Once settled on cute, "auto" behaves as "cute" except above max_tokens_per_rank: there `tp`
-(every rank holds the same tokens, so all ranks take the same path) runs that call on the
-reference path, while `dp_nvlink` raises (its ranks differ in T, so they could not agree on a
-per-call fallback without another collective).
+"auto" for tp / dp_nvlink stays unresolved at construction (even on a rank without CUDA or
+CuTeDSL, so that every rank joins the same first-call collective) and is "reference" unless the
+cute backend is safe, decided ONCE, at the first call with CUDA tensors, from facts every rank
+reports (a collective: `auto_picks_cute`): at least 2 ranks, CuTeDSL importable on every rank,
+buffers possible for the call (bf16/fp16, rows a multiple of 16 bytes), one host, every rank on
+its own GPU, and every rank's process seeing every other rank's GPU with CUDA peer access (so
+e.g. Ray actors that each see one GPU stay on "reference"). Before it is settled, calls with
+CPU tensors take the reference path and settle nothing; once settled on cute, "auto" behaves
+as "cute" (CPU tensors raise ValueError), except above max_tokens_per_rank: there `tp` (every
+rank holds the same tokens, so all ranks take the same path) runs that call on the reference
+path, while `dp_nvlink` raises (its ranks differ in T, so they could not agree on a per-call
+fallback without another collective).
+
+Peer buffers are shared: every MoE layer builds its own topology, and all topologies of one
+process group with the same PeerSpec, device and transport use ONE PeerBuffers (`_SHARED`, a
+weak registry: the buffers live while a topology holds them). Layers run one after another and
+the epoch protocol allows back-to-back calls from different topologies, but a dispatch result
+must be combined before the next dispatch on the same buffers (as MoELayer does); combining an
+older one raises ValueError (the stale-handle check of ep_combine). A device error breaks the
+buffers for every topology sharing them; `peer_buffers.reset()` (a collective, once per rank)
+repairs them for all.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -65,6 +77,9 @@ DEFAULT_MAX_TOKENS_PER_RANK = 1024
 #: host code with the compiled kernels replaced by recorders).
 CUTE_DEVICE_TYPE = "cuda"
 
+#: The PeerBuffers of the live topologies, keyed by (group, PeerSpec, device, transport).
+_SHARED: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
@@ -78,8 +93,9 @@ def resolve_group_backend(topology: str, backend: str) -> str:
 
     Returns:
         "reference"; "cute" (tp / dp_nvlink, CUDA present and CuTeDSL importable); or "auto"
-        where the cute backend may apply (tp / dp_nvlink, CUDA present, CuTeDSL importable):
-        the first CUDA call settles it (PeerBufferTopology).
+        for tp / dp_nvlink whatever this rank has: the first CUDA call settles it for every
+        rank together (PeerBufferTopology), so a rank without CuTeDSL still joins that call's
+        collective and reports it.
 
     Raises:
         ValueError: unknown backend name; "cute" without a CUDA device or without CuTeDSL.
@@ -97,13 +113,12 @@ def resolve_group_backend(topology: str, backend: str) -> str:
                 f"{', '.join(CUTE_TOPOLOGIES)}); use backend='reference' (or 'auto', which "
                 "resolves to 'reference' here)")
         return "reference"
-    usable = torch.cuda.is_available() and kernels.cute_available()
-    if backend == "cute" and not usable:
+    if backend == "cute" and not (torch.cuda.is_available() and kernels.cute_available()):
         raise ValueError(
             f"topology {topology!r}: backend 'cute' needs a CUDA device and nvidia-cutlass-dsl; "
             f"got CUDA available={torch.cuda.is_available()}, cutlass importable="
             f"{kernels.cute_available()}; use backend='reference' or 'auto'")
-    return backend if usable else "reference"
+    return backend
 
 
 class GroupTopology(Topology):
@@ -203,19 +218,20 @@ class DataParallelTopology(GroupTopology):
 
 # ------------------------------------------------------------------------- the cute backends
 def rank_peer_facts(device: torch.device) -> dict[str, Any]:
-    """This process's facts for `auto_picks_cute` (queries only): host, the GPU's UUID, the
-    UUIDs of the GPUs visible here that `device` has CUDA peer access to, CuTeDSL importable."""
+    """This process's CUDA facts for `auto_picks_cute` (queries only): host, the GPU's UUID,
+    the UUIDs of the GPUs visible here that `device` has CUDA peer access to."""
     idx = torch.device(device).index
     uuid = lambda d: str(torch.cuda.get_device_properties(d).uuid)  # noqa: E731
-    return {"host": socket.gethostname(), "gpu": uuid(idx), "cute": kernels.cute_available(),
+    return {"host": socket.gethostname(), "gpu": uuid(idx),
             "peers": [uuid(d) for d in range(torch.cuda.device_count())
                       if d != idx and torch.cuda.can_device_access_peer(idx, d)]}
 
 
 def auto_picks_cute(facts: Sequence[dict[str, Any]]) -> tuple[bool, str]:
     """The "auto" rule (module docstring) over every rank's facts, in rank order: each a dict
-    of rank_peer_facts plus "unsupported" (why this rank cannot size peer buffers for the call,
-    or None). Returns (cute?, one-line reason); every rank computes the same answer."""
+    of rank_peer_facts plus "cute" (CuTeDSL importable there) and "unsupported" (why this rank
+    cannot size peer buffers for the call, or None). Returns (cute?, one-line reason); every
+    rank computes the same answer."""
     W = len(facts)
     if W < 2:
         return False, "one rank: nothing to exchange over peer buffers"
@@ -247,17 +263,25 @@ class PeerBufferTopology(GroupTopology):
         max_tokens_per_rank: the most tokens one rank passes to one dispatch (tp: the
             replicated batch); sizes the peer buffers (PeerSpec: dp_nvlink holds about
             W * max_tokens_per_rank * min(k, E_local) rows of H per rank twice, tp two
-            [max_tokens_per_rank, H] buffers). Default DEFAULT_MAX_TOKENS_PER_RANK.
+            [max_tokens_per_rank, H] buffers). Default DEFAULT_MAX_TOKENS_PER_RANK (1024).
+            It also fixes dp_nvlink's dispatch mode: the one-launch decode dispatch only when
+            max_tokens_per_rank <= ep_dispatch.DECODE_MAX_TOKENS (128), else the 4-launch
+            prefill dispatch on every call (so the default always uses prefill).
         transport: how each rank maps its peers' buffers: "auto" (torch symmetric memory, else
             CUDA IPC), "symm_mem" or "ipc" (PeerBuffers.from_process_group).
 
     The first call with CUDA tensors (backend "cute", or "auto" not yet settled) is a
-    collective: every rank reports the call's shape (H, dtype, k and the constructor's sizes;
-    they must agree, else ValueError on every rank) and, for "auto", its peer facts; "auto"
-    then settles (auto_picks_cute; the reason is kept in `backend_reason`), and for cute every
-    rank allocates its buffers and exchanges their addresses (PeerBuffers.from_process_group;
-    a world of one rank: PeerBuffers.virtual). EVERY RANK MUST MAKE THE SAME CALLS, in the same
-    order: each dispatch and combine is a collective whose kernels wait for every peer.
+    collective: every rank reports the call's shape (H, dtype, k, the constructor's sizes and
+    transport; they must agree, else ValueError on every rank), whether the call can have peer
+    buffers (if not, backend "cute" raises on every rank, naming the first such rank) and, for
+    "auto", its peer facts; "auto" then settles (auto_picks_cute; the reason is kept in
+    `backend_reason`). For cute the ranks then reuse the buffers an earlier topology of the
+    same group, PeerSpec, device and transport made (when every rank still holds them: the
+    module docstring says how they are shared), or every rank allocates new ones and exchanges
+    their addresses (PeerBuffers.from_process_group; a world of one rank: PeerBuffers.virtual).
+    EVERY RANK MUST MAKE THE SAME CALLS, in the same order: each dispatch and combine is a
+    collective whose kernels wait for every peer; and a dispatch must be combined before the
+    next dispatch of any topology sharing the buffers.
 
     Every later call checks, before anything is launched: the same H, dtype and k as the first
     call and T <= max_tokens_per_rank (ValueError naming the limit), x on the buffers' device,
@@ -267,10 +291,11 @@ class PeerBufferTopology(GroupTopology):
     Device errors surface as raised by the kernels: PeerTimeoutError (a bounded wait gave up:
     names the rank, the phase and the peer) and PeerDataError (a value refused on the device,
     e.g. topk_ids outside [0, E) with check_values=False). After either, the buffers are
-    unusable until every rank calls `peer_buffers.reset()` (a collective).
+    unusable, for every topology sharing them, until every rank calls `peer_buffers.reset()`
+    once (a collective).
 
     Attributes:
-        peer_buffers: the PeerBuffers (None until the first cute call).
+        peer_buffers: the PeerBuffers (None until the first cute call; shared, see above).
         backend_reason: why "auto" settled as it did (None before, or without "auto").
 
     Raises (construction): TypeError / ValueError for max_tokens_per_rank not an int >= 1 or
@@ -309,7 +334,7 @@ class PeerBufferTopology(GroupTopology):
             if self.backend == "cute":
                 raise ValueError(f"{self.name} rank {self.rank}: backend 'cute' needs "
                                  f"{CUTE_DEVICE_TYPE} tensors, got x on {x.device}")
-            return None  # auto: CPU tensors take the reference path
+            return None  # auto, not settled yet: CPU tensors take the reference path
         if self.peer_buffers is None:
             self._create_peer_buffers(x, topk_ids)
             if self.peer_buffers is None:  # auto settled on the reference
@@ -335,17 +360,23 @@ class PeerBufferTopology(GroupTopology):
                     hidden=x.shape[1], top_k=topk_ids.shape[1], num_experts=self.num_experts,
                     dtype=x.dtype, align=self.align, all_to_all=self.all_to_all)
         try:
-            spec, unsupported = PeerSpec(**call), None
+            spec, error = PeerSpec(**call), None
         except (TypeError, ValueError) as e:
-            if self.backend == "cute":
-                raise type(e)(f"{self.name} rank {self.rank}, backend 'cute': {e}") from e
-            spec, unsupported = None, str(e)
-        mine = {"call": call, "unsupported": unsupported}
+            spec, error = None, e
+        key = (self.group, spec, x.device, self.transport)
+        shared = None if spec is None else _SHARED.get(key)  # (held: the registry is weak)
+        mine = {"call": call, "transport": self.transport, "shared": shared is not None,
+                "unsupported": error and str(error), "error_type": error and type(error).__name__}
         if self.backend == "auto":
-            mine.update(rank_peer_facts(x.device))
+            mine.update(rank_peer_facts(x.device), cute=kernels.cute_available())
         facts = all_gather_object(mine, group=self.group, step=self._step("peer buffer setup"))
-        calls = [f["call"] for f in facts]
-        differ = [k for k in call if any(c[k] != calls[0][k] for c in calls)]
+        failed = [(r, f) for r, f in enumerate(facts) if f["unsupported"]]
+        if failed and self.backend == "cute":  # every rank raises, naming the first such rank
+            r, f = failed[0]
+            raise (TypeError if f["error_type"] == "TypeError" else ValueError)(
+                f"{self.name} rank {r}, backend 'cute': {f['unsupported']}")
+        calls = [dict(f["call"], transport=f["transport"]) for f in facts]
+        differ = [k for k in calls[0] if any(c[k] != calls[0][k] for c in calls)]
         if differ:
             raise ValueError(
                 f"{self.name} rank {self.rank}: every rank must make the same calls; the first "
@@ -359,7 +390,10 @@ class PeerBufferTopology(GroupTopology):
                      self.backend_reason)
             if not ok:
                 return
-        self.peer_buffers = (
+        if all(f["shared"] for f in facts):  # made by an earlier topology on every rank: reuse
+            self.peer_buffers = shared
+            return
+        self.peer_buffers = _SHARED[key] = (
             PeerBuffers.virtual(spec, x.device) if self.world_size == 1 else
             PeerBuffers.from_process_group(spec, self.group, device=x.device,
                                            transport=self.transport))
