@@ -1,7 +1,13 @@
 """Shared pytest set-up: GPU tests skip with a reason where CUDA is absent; `recorded` records
 the multi-rank kernels' launches for CPU tests of their host code."""
+import os
+import tempfile
+
 import pytest
 import torch
+
+# PTX kept by compile-only tests (--keep-ptx) goes to a temporary folder, not the checkout's root
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="moe_ptx_"))
 
 
 def pytest_collection_modifyitems(config, items):
