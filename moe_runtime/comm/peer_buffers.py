@@ -430,25 +430,31 @@ class PeerBuffers:
             first = self.sig_epoch - n + 1
         return ((first + 0x80000000) % 0x100000000) - 0x80000000
 
-    def errors(self) -> list[dict]:
-        """Error words of the local ranks (host-synchronous read)."""
-        errs = torch.stack([self.view(F_ERR, i) for i in range(self.n_local)]).cpu().tolist()
+    def errors(self, also: Sequence[torch.Tensor] = ()) -> tuple[list[dict], list[int]]:
+        """Error words of the local ranks, and the values of the int32 scalar tensors `also`
+        read in the same device-to-host copy (one host sync in all)."""
+        words = [self.view(F_ERR, i) for i in range(self.n_local)]
+        flat = torch.cat([w.reshape(-1) for w in words] + [t.reshape(1) for t in also]).tolist()
+        n = 4 * self.n_local
         out = []
-        for i, (ph, peer, exp, seen) in enumerate(errs):
+        for i in range(self.n_local):
+            ph, peer, exp, seen = flat[4 * i:4 * i + 4]
             if ph:
                 out.append({"rank": self.rank0 + i, "phase": ph,
                             "phase_name": PHASES.get(ph, "unknown phase"), "peer": peer,
                             "expected": exp, "seen": seen})
-        return out
+        return out, flat[n:]
 
-    def check_errors(self, what: str) -> None:
+    def check_errors(self, what: str, also: Sequence[torch.Tensor] = ()) -> list[int]:
         """Raise (and mark the buffers broken) if any local rank recorded an error:
-        PeerDataError when a value was refused, else PeerTimeoutError."""
-        errs = self.errors()
+        PeerDataError when a value was refused, else PeerTimeoutError. Returns the host values
+        of the int32 scalar tensors `also`, read in the same copy as the error words."""
+        errs, values = self.errors(also)
         if errs:
             self.broken = f"{what}: error on rank(s) {[e['rank'] for e in errs]}"
             data = any(e["phase"] >= DATA_ERROR for e in errs)
             raise (PeerDataError if data else PeerTimeoutError)(what, errs)
+        return values
 
     def reset(self) -> None:
         """Zero every heap and restart epochs (host-synchronous; all ranks must reset together:

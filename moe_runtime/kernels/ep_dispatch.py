@@ -37,7 +37,7 @@ call, or reuses those of an earlier topology with the same group and shapes
     DispatchResult(h.expert_x[0][:h.rows_used[0]], h.expert_offsets[0], {"ep": h, ...})
     y = ep_combine(bufs, h, expert_y, topk_weights)     # y [T, H]
 h.expert_x[0] is the full-capacity view [xout_rows, H]; the topology slices it to the rows the
-dispatch used (h.rows_used, expert_offsets[-1] read on the host after the error check), so the
+dispatch used (h.rows_used, expert_offsets[-1] read on the host with the error words), so the
 experts compute only those rows and expert_y needs >= rows_used rows.
 
 Status (issue 5, H200, W in {2, 4, 8} virtual ranks): this dispatch (both modes), ep_combine
@@ -305,7 +305,7 @@ class EPDispatchHandle:
         expert_x: per local rank, [xout_rows, H] rows in expert-major order (views into the
             peer buffers: valid until the next dispatch).
         expert_offsets: per local rank, int32 [E_local + 1] (views, same lifetime).
-        rows_used: per local rank, expert_offsets[-1] read on the host after the error check
+        rows_used: per local rank, expert_offsets[-1] read on the host with the error words
             (None with check=False): the rows the experts must compute and expert_y must hold.
     """
 
@@ -421,6 +421,6 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
                               [bufs.expert_offsets(i) for i in range(bufs.n_local)])
     bufs._last_dispatch = epoch
     if check:
-        bufs.check_errors(f"ep_dispatch ({mode}, epoch {epoch})")
-        handle.rows_used = torch.stack([o[-1] for o in handle.expert_offsets]).tolist()
+        handle.rows_used = bufs.check_errors(f"ep_dispatch ({mode}, epoch {epoch})",
+                                             also=[o[-1] for o in handle.expert_offsets])
     return handle

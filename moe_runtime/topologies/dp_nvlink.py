@@ -13,14 +13,14 @@ source sums over k in fp32 (j = 0..k-1, one cast, the order of reference.combine
               flags. The mode comes from the buffers' size, not from T, because every rank must
               use the same one and a rank does not know its peers' T: with the default
               max_tokens_per_rank (1024) every call runs the prefill dispatch; pass
-              max_tokens_per_rank <= 128 for the decode one. Then the error words are read (one
-              host sync), then expert_offsets[-1] (a second small device-to-host read).
+              max_tokens_per_rank <= 128 for the decode one. Then the error words and
+              expert_offsets[-1] are read in one device-to-host copy (one host sync).
     combine   two launches (send back, weighted sum), then the error words (one host sync).
 Every rank launches on every call, T = 0 included (its peers wait for its counts).
 
 Differences from the reference backend's DispatchResult: expert_x and expert_offsets are views
 of the peer buffers, valid until the next dispatch; expert_x holds expert_offsets[-1] rows (read
-on the host right after the dispatch's error words, so the experts see decode-sized inputs at
+on the host together with the dispatch's error words, so the experts see decode-sized inputs at
 decode, not the buffers' capacity); within an expert, rows are ordered by source rank, then in
 an order set by device atomics (not deterministic). Combine only the newest dispatch of the
 buffers, which every dp_nvlink topology of the group with the same shapes shares (an older
