@@ -34,16 +34,25 @@ SHAPES = {  # name: (H, I, E, k)
 TOKENS = (1, 2, 4, 8, 16)
 
 
-def measure(name: str, T: int, bw: float) -> dict:
+def expert_problem(name: str, T: int):
+    """(fast, reference, expert_x, offsets) for shape `name` and T random tokens: `fast` are
+    Experts with the default backend, `reference` the same weights with backend "reference"
+    (torch._grouped_mm); expert_x/offsets from a real dispatch of the tokens (k experts each).
+    Shared with benchmarks/grouped_gemm.py."""
     H, I, E, k = SHAPES[name]
     torch.manual_seed(T)
     fast = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
-    grouped = Experts(E, H, I, gate_up_proj=fast.gate_up_proj, down_proj=fast.down_proj,
-                      backend="reference")
+    reference = Experts(E, H, I, gate_up_proj=fast.gate_up_proj, down_proj=fast.down_proj,
+                        backend="reference")
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
     ex, off, _ = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
-    ex = ex.contiguous()
+    return fast, reference, ex.contiguous(), off
+
+
+def measure(name: str, T: int, bw: float) -> dict:
+    H, I, E, k = SHAPES[name]
+    fast, grouped, ex, off = expert_problem(name, T)
     rows = T * k
     per_expert = 3 * H * I * 2
     active = int((off[1:] > off[:-1]).sum())

@@ -20,18 +20,13 @@ import sys
 import torch
 
 from moe_runtime.experts import Experts
-from moe_runtime.kernels import cute_ops
 from moe_runtime.kernels.grouped_gemm import quack_supported
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from expert_gemv import SHAPES, expert_problem  # noqa: E402
 from local_dispatch_combine import copy_bandwidth  # noqa: E402
 from moe_layer import matmul_flops, timed_us  # noqa: E402
 
-SHAPES = {  # name: (H, I, E, k)
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "mixtral": (4096, 14336, 8, 2),
-}
 TOKENS = (256, 1024, 4096, 16384)
 # (tile_m, tile_n, pingpong, cluster_m, cluster_n) tried by --sweep, static and dynamic scheduler
 SWEEP = ((128, 192, True, 1, 2), (128, 192, True, 2, 1), (128, 128, True, 1, 2),
@@ -62,13 +57,7 @@ def sweep_configs(ex, off, fast: Experts) -> dict:
 
 def measure(name: str, T: int, bw: float, flops: float, sweep: bool) -> dict:
     H, I, E, k = SHAPES[name]
-    torch.manual_seed(T)
-    fast = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
-    ref = Experts(E, H, I, gate_up_proj=fast.gate_up_proj, down_proj=fast.down_proj,
-                  backend="reference")
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    ids = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
-    ex, off, _ = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
+    fast, ref, ex, off = expert_problem(name, T)
     rows = T * k
     a, b = fast(ex, off)[:rows].double(), ref(ex, off)[:rows].double()
     res = {"shape": name, "T": T, "rows": rows, "quack_path": fast._quack(ex.device, ex.dtype),
