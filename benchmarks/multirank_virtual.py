@@ -5,7 +5,7 @@ A functional proxy: every "link" is this GPU's HBM, so the numbers show the kern
 protocol overhead, not NVLink speed. Per (W, tokens per rank T):
     dispatch (decode and/or prefill mode), dispatch + combine (identity experts: expert_y is the
     expert_x view), all-reduce one-shot / two-shot of [T, H] per rank, and the tp decode combine
-    followed by the one-shot (tp_combine_all_reduce: two launches).
+    fused with the one-shot in one launch (tp_combine_all_reduce).
 Timing: `gpu us` = GPU time per call with the launches queued behind a sleep kernel (host cost
 hidden); `host us` = wall time per call of the eager Python call (TVM-FFI launches, no sync).
 Bytes moved = rows that cross between ranks (dispatch/combine: W*T*k rows of H; one-shot:

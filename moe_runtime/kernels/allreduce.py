@@ -10,17 +10,18 @@ caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once
             (reduce-scatter) -> barrier(e+1) -> every rank copies every slice from its owner's
             F_AR_MID into out (all-gather) -> barrier(e+2). ~2 (W-1)/W of the tensor over the
             links per rank: best for large tensors (bandwidth).
-  combine   (tp, tp_combine_all_reduce) the local combine y_r[t] = sum_j w[t,j] *
-            expert_y_r[slot_r[t,j]] (slot -1 = expert not on this rank) written to F_AR_IN,
-            rounded to the buffers' dtype; then the one-shot or two-shot (by size, pick_algo)
-            in a SECOND launch. (One launch doing combine + one-shot faulted on the H200: see
-            the Status paragraph of ep_dispatch.py.)
+  combine   (tp, tp_combine_all_reduce: algo COMBINE | ONESHOT or COMBINE | TWOSHOT, ONE
+            launch) first the local combine y_r[t] = sum_j w[t,j] * expert_y_r[slot_r[t,j]]
+            (slot -1 = expert not on this rank) into F_AR_IN, rounded to the buffers' dtype,
+            then the one-shot or two-shot (by size, pick_algo). Each CTA combines exactly the
+            vectors that CTAs of its index read first in the all-reduce (one-shot: its strided
+            vectors; two-shot: its strided part of every rank's slice), so the per-CTA barrier
+            below also publishes the combine: no grid barrier, no second launch.
 Barriers are per CTA (CTA b of every rank meets CTA b of every rank); a vector is produced and
 consumed by CTAs with the same index on every rank, so no grid-wide barrier is needed (CUTEDSL.md
 P16: a barrier before reading peers and one before returning). Every wait is bounded and a
 timeout raises PeerTimeoutError naming the rank, the phase and the peer.
-One-/two-shot launches are cooperative (all ranks' CTAs co-resident; virtual ranks: grid <= SMs);
-the combine launch has no waits.
+Every launch is cooperative (all ranks' CTAs co-resident; virtual ranks: grid <= SMs).
 NVLS (multimem) lives in nvls_allreduce.py and is never selected unless nvls_allowed().
 
 Topology hook: topologies/tp.py (the `cute` backend) creates the buffers on its first call
@@ -52,9 +53,10 @@ from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, co
                         cross_rank_barrier, ctas_per_rank, fake_rows, fake_stream, i32_at,
                         in_range, vec_at, vec_elems, wait_bounds)
 
-ONESHOT, TWOSHOT, COMBINE = 1, 2, 3
+ONESHOT, TWOSHOT = 1, 2
+COMBINE = 4  # flag: the tp combine first, in the same launch (COMBINE | ONESHOT, COMBINE | TWOSHOT)
 ALGOS = {"oneshot": ONESHOT, "twoshot": TWOSHOT}
-SIG_EPOCHS = {ONESHOT: 2, TWOSHOT: 3, COMBINE: 0}  # cross-rank barrier epochs per launch
+SIG_EPOCHS = {ONESHOT: 2, TWOSHOT: 3}  # cross-rank barrier epochs per launch (by algo & 3)
 ONESHOT_MAX_BYTES = 1 << 20   # auto: one-shot up to 1 MiB per rank, two-shot above
 E_BAD_SLOT = 21               # error code of a refused token_slot entry (peer_buffers.PHASES)
 
@@ -69,15 +71,39 @@ def sum_peers(ins: list, c: Int32, nv: Constexpr[int], dtype: Constexpr):
     return acc
 
 
+@cute.jit
+def slice_len(n: Int32, lo: Int32, per: Int32) -> Int32:
+    """Vectors of the two-shot slice starting at lo: min(per, n - lo) (<= 0: none)."""
+    cnt = n - lo
+    return per if cnt > per else cnt
+
+
+@cute.jit
+def combine_vector(ey: Int64, rows: Int32, slots: cute.Pointer, wts: cute.Pointer, dst: Int64,
+                   c: Int32, err: Int64, K: Constexpr[int], nv: Constexpr[int], dtype: Constexpr):
+    """dst vector c (token t = c // nv) = sum_j wts[t, j] * ey[slots[t, j]] over the slots >= 0
+    (-1: expert not on this rank), fp32 in j order, cast once; a slot >= rows is refused."""
+    t = c // nv
+    v = c - t * nv
+    acc = cute.full((vec_elems(dtype),), 0.0, Float32)
+    for j in cutlass.range_constexpr(K):
+        slot = cute.arch.load(slots + t * K + j, Int32)
+        if slot >= 0:
+            if in_range(slot, rows, err, Int32(E_BAD_SLOT), Int32(-1)):
+                acc = acc + (vec_at(ey, slot, v, nv, dtype).load().to(Float32)
+                             * cute.arch.load(wts + t * K + j, Float32))
+    vec_at(dst, 0, c, nv, dtype).store(acc.to(dtype))
+
+
 @cute.kernel
 def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
-                     timeout_ns: Int64, max_spins: Int32, algo: Constexpr[int],
+                     max_spins: Int32, algo: Constexpr[int],
                      hidden: Constexpr[int], K: Constexpr[int], W: Constexpr[int],
                      cpr: Constexpr[int], dtype: Constexpr):
     """mTab int64 [NUM_FIELDS, W] is the only tensor. Per rank r (F_ARG_* rows): output
-    [T, hidden] (F_ARG_Y; one-/two-shot); COMBINE only: expert_y [F_ARG_ROWS, hidden]
-    (F_ARG_EY), token_slot int32 [T, K] (F_ARG_SLOT; entries >= F_ARG_ROWS are refused:
-    E_BAD_SLOT), topk_weights fp32 [T, K] (F_ARG_W)."""
+    [T, hidden] (F_ARG_Y); with COMBINE also expert_y [F_ARG_ROWS, hidden] (F_ARG_EY),
+    token_slot int32 [T, K] (F_ARG_SLOT; entries >= F_ARG_ROWS are refused: E_BAD_SLOT),
+    topk_weights fp32 [T, K] (F_ARG_W)."""
     threads = THREADS
     nv = hidden // vec_elems(dtype)
     tidx, rl, lb, rank = block_rank(rank0, cpr)
@@ -86,73 +112,65 @@ def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, sk
     first, stride = lb * threads + tidx, cpr * threads
     out = mTab[pb.F_ARG_Y, rank]
     ins = [mTab[pb.F_AR_IN, r] for r in range(W)]
+    two = (algo & TWOSHOT) != 0
+    per = (n + (W - 1)) // W  # two-shot: rank r owns vectors [r * per, min(n, (r + 1) * per))
     if rank != skip_rank:
-        if cutlass.const_expr(algo == COMBINE):  # local combine -> this rank's F_AR_IN
+        if cutlass.const_expr(algo & COMBINE):  # local combine -> this rank's F_AR_IN
             ey = mTab[pb.F_ARG_EY, rank]
             rows = Int32(mTab[pb.F_ARG_ROWS, rank])
             slots = i32_at(mTab[pb.F_ARG_SLOT, rank])
             wts = cute.make_ptr(Float32, mTab[pb.F_ARG_W, rank], GMEM, assumed_align=4)
-            for c in cutlass.range(first, n, stride):
-                t = c // nv
-                v = c - t * nv
-                acc = cute.full((vec_elems(dtype),), 0.0, Float32)
-                for j in cutlass.range_constexpr(K):
-                    slot = cute.arch.load(slots + t * K + j, Int32)
-                    if slot >= 0:  # -1: expert not on this rank
-                        if in_range(slot, rows, err, Int32(E_BAD_SLOT), Int32(-1)):
-                            acc = acc + (vec_at(ey, slot, v, nv, dtype).load().to(Float32)
-                                         * cute.arch.load(wts + t * K + j, Float32))
-                vec_at(mTab[pb.F_AR_IN, rank], 0, c, nv, dtype).store(acc.to(dtype))
-        else:
-            cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch, tidx, err, timeout_ns, max_spins,
-                               Int32(7), W)
-            if cutlass.const_expr(algo != TWOSHOT):
-                for c in cutlass.range(first, n, stride):
-                    vec_at(out, 0, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
-            else:
-                per = (n + (W - 1)) // W
-                lo = rank * per
-                mine = n - lo
-                mine = per if mine > per else mine
-                mid = mTab[pb.F_AR_MID, rank]
-                for q in cutlass.range(first, mine, stride):
-                    vec_at(mid, 0, lo + q, nv, dtype).store(
-                        sum_peers(ins, lo + q, nv, dtype).to(dtype))
-                cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + 1, tidx, err, timeout_ns,
-                                   max_spins, Int32(8), W)
+            mine = mTab[pb.F_AR_IN, rank]
+            if cutlass.const_expr(two):  # the CTA's part of every owner's slice
                 for u in cutlass.range_constexpr(W):
-                    s = (rank + u) % W
-                    slo = s * per
-                    cnt = n - slo
-                    cnt = per if cnt > per else cnt
-                    src = mTab[pb.F_AR_MID, s]
-                    for q in cutlass.range(first, cnt, stride):
-                        vec_at(out, 0, slo + q, nv, dtype).store(
-                            vec_at(src, 0, slo + q, nv, dtype).load())
-            cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + (2 if algo == TWOSHOT else 1),
-                               tidx, err, timeout_ns, max_spins, Int32(9), W)
+                    for q in cutlass.range(first, slice_len(n, u * per, per), stride):
+                        combine_vector(ey, rows, slots, wts, mine, u * per + q, err, K, nv, dtype)
+            else:
+                for c in cutlass.range(first, n, stride):
+                    combine_vector(ey, rows, slots, wts, mine, c, err, K, nv, dtype)
+        cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch, tidx, err, max_spins,
+                           Int32(7), W)
+        if cutlass.const_expr(not two):
+            for c in cutlass.range(first, n, stride):
+                vec_at(out, 0, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
+        else:
+            lo = rank * per
+            mid = mTab[pb.F_AR_MID, rank]
+            for q in cutlass.range(first, slice_len(n, lo, per), stride):
+                vec_at(mid, 0, lo + q, nv, dtype).store(
+                    sum_peers(ins, lo + q, nv, dtype).to(dtype))
+            cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + 1, tidx, err, max_spins,
+                               Int32(8), W)
+            for u in cutlass.range_constexpr(W):
+                s = (rank + u) % W
+                slo = s * per
+                src = mTab[pb.F_AR_MID, s]
+                for q in cutlass.range(first, slice_len(n, slo, per), stride):
+                    vec_at(out, 0, slo + q, nv, dtype).store(
+                        vec_at(src, 0, slo + q, nv, dtype).load())
+        cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + (2 if two else 1),
+                           tidx, err, max_spins, Int32(9), W)
 
 
 @cute.jit
 def allreduce_entry(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
-                    timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
+                    max_spins: Int32, stream: cuda.CUstream,
                     algo: Constexpr[int], hidden: Constexpr[int], K: Constexpr[int],
                     W: Constexpr[int], cpr: Constexpr[int], n_local: Constexpr[int],
                     dtype: Constexpr):
-    allreduce_kernel(mTab, T, epoch, rank0, skip_rank, timeout_ns,
-                     max_spins, algo, hidden, K, W, cpr, dtype).launch(
-        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
-        cooperative=algo != COMBINE)
+    allreduce_kernel(mTab, T, epoch, rank0, skip_rank, max_spins, algo, hidden, K, W, cpr,
+                     dtype).launch(
+        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream, cooperative=True)
 
 
 @functools.lru_cache(maxsize=None)
 def compile_allreduce(algo: int, hidden: int, top_k: int, world: int, cpr: int, n_local: int,
                       dtype: str, arch: str | None = None):
-    """Compiled TVM-FFI launch of algo ONESHOT | TWOSHOT | COMBINE. Call: f(table, T, epoch,
-    rank0, skip_rank, timeout_ns, max_spins) (output and combine inputs in F_ARG_* rows)."""
+    """Compiled TVM-FFI launch of algo ONESHOT or TWOSHOT, optionally | COMBINE. Call:
+    f(table, T, epoch, rank0, skip_rank, max_spins) (output and combine inputs in F_ARG_* rows)."""
     return compile_tvm(
         allreduce_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
-        Int32(-1), Int64(1), Int32(1), fake_stream(), algo, hidden, top_k, world, cpr, n_local,
+        Int32(-1), Int32(1), fake_stream(), algo, hidden, top_k, world, cpr, n_local,
         DTYPES[dtype], arch=arch)
 
 
@@ -183,10 +201,10 @@ def _compiled(bufs, algo_code):
 
 def _launch(bufs, f, algo_code, T, out, args, timeout_s, max_spins, check, skip_rank, what):
     """Launch f (= _compiled(bufs, algo_code)) after reserving its barrier epochs."""
-    ns, spins = wait_bounds(timeout_s, max_spins)
+    spins = wait_bounds(timeout_s, max_spins)
     bufs.set_args({pb.F_ARG_Y: [o.data_ptr() for o in out], **args})
-    epoch = bufs.take_sig_epochs(SIG_EPOCHS[algo_code])
-    bufs.launch(f, T, epoch, bufs.rank0, skip_rank, ns, spins)
+    epoch = bufs.take_sig_epochs(SIG_EPOCHS[algo_code & 3])
+    bufs.launch(f, T, epoch, bufs.rank0, skip_rank, spins)
     if check:
         bufs.check_errors(what)
     return out
@@ -247,7 +265,7 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
                           algo: str = "auto", out: torch.Tensor | None = None,
                           timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
                           check: bool = True, skip_rank: int = -1) -> torch.Tensor:
-    """tp combine + all-reduce (two launches: COMBINE into F_AR_IN, then the one-shot or the
+    """tp combine + all-reduce in ONE launch (COMBINE into F_AR_IN, then the one-shot or the
     two-shot): out[r] = sum over ranks of reference.combine(expert_y_r, token_slot_r,
     topk_weights) (partials rounded to the buffers' dtype, summed in fp32).
 
@@ -283,15 +301,14 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
     out = _out(bufs, T, out)
     if T == 0:
         return out
-    f_combine, f_reduce = _compiled(bufs, COMBINE), _compiled(bufs, ALGOS[name])
+    code = COMBINE | ALGOS[name]
+    f = _compiled(bufs, code)
     slot = token_slot.contiguous()
     w = topk_weights.contiguous()
     args = {pb.F_ARG_EY: [e.data_ptr() for e in eys], pb.F_ARG_ROWS: [e.shape[0] for e in eys],
             pb.F_ARG_SLOT: [t.data_ptr() for t in slot],
             pb.F_ARG_W: [w.data_ptr()] * bufs.n_local}
-    _launch(bufs, f_combine, COMBINE, T, out, args, timeout_s, max_spins, False, skip_rank,
-            "tp_combine_all_reduce")  # (errors checked once, after the all-reduce)
-    out = _launch(bufs, f_reduce, ALGOS[name], T, out, {}, timeout_s, max_spins, check,
-                  skip_rank, f"tp_combine_all_reduce ({name})")
+    out = _launch(bufs, f, code, T, out, args, timeout_s, max_spins, check, skip_rank,
+                  f"tp_combine_all_reduce ({name})")
     del slot, w  # (stream-ordered frees: safe while the kernel runs)
     return out

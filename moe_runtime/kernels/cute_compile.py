@@ -157,10 +157,10 @@ def expert_gemv_fn(dtype: str, K: int, M: int, E: int, swiglu: bool, arch: str |
 
 @functools.lru_cache(maxsize=None)
 def barrier_probe_fn(arch: str | None = None):
-    """fn(ws int32 [4], absent_block, rounds, grid, err_addr, max_iters, timeout_ns)."""
+    """fn(ws int32 [4], absent_block, rounds, grid, err_addr, max_iters)."""
     return cute.compile(
         _gb.barrier_probe, _vec(Int32, 4), Int32(-1), Int32(1), Int32(1), Int64(0), Int32(1),
-        Int64(1), _stream(), SITE_BARRIER_PROBE, options=_options(arch))
+        _stream(), SITE_BARRIER_PROBE, options=_options(arch))
 
 
 def dispatch_fns(dtype: str, H: int, E: int, K: int, mode: str, arch: str | None = None) -> tuple:

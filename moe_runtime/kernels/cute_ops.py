@@ -390,10 +390,9 @@ def expert_gemv(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Ten
 
 # ---------------------------------------------------------------------------- test hook
 def launch_barrier_probe(device: torch.device, grid: int, absent_block: int, rounds: int,
-                         max_polls: int, timeout_ns: int) -> None:
+                         max_polls: int) -> None:
     """Test hook: `rounds` grid barriers over `grid` cooperative blocks, block `absent_block`
     (-1: none) never arriving. Uses its own zeroed barrier word; errors surface through
     check_errors() as "grid barrier probe timed out ..."."""
     ws = torch.zeros(4, dtype=torch.int32, device=device)
-    cc.barrier_probe_fn()(ws, absent_block, rounds, grid, error_flags().device_addr,
-                          max_polls, timeout_ns)
+    cc.barrier_probe_fn()(ws, absent_block, rounds, grid, error_flags().device_addr, max_polls)

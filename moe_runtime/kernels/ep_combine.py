@@ -8,12 +8,11 @@ With the dispatch of epoch e (ep_dispatch.py) and expert outputs expert_y_r [>= 
   REDUCE  (source s) per token t: threads j < k acquire-poll ret_flag_s[dest(t,j), i(t,j) //
           chunk] >= e, then y[t] = sum_j w[t, j] * ret_s[t*k+j] in fp32, j = 0..k-1, cast once
           (the order of reference.combine).
-Launches: SEND, then REDUCE, in both modes; "decode" (after a decode dispatch) uses the
-dispatch's per-token chunks and one CTA per SM in all, "prefill" per-chunk flags and a grid >>
-SMs. SEND and REDUCE in ONE launch faulted on the H200 ("illegal memory access", see the Status
-paragraph of ep_dispatch.py), so the kernel boundary separates them; the REDUCE still waits on
-the flags (a real peer's SEND runs on another GPU). Waits are bounded; a timeout raises
-PeerTimeoutError naming the rank, the phase and the expert owner waited for.
+Launches: "decode" (after a decode dispatch) is ONE cooperative launch, SEND then REDUCE, with
+the dispatch's per-token chunks and one CTA per SM in all: a CTA's REDUCE waits only on flags,
+so no grid barrier is needed between the phases. "prefill" is two launches (SEND, REDUCE) with
+per-chunk flags and a grid >> SMs. Waits are bounded; a timeout raises PeerTimeoutError naming
+the rank, the phase and the expert owner waited for.
 
 Buffer reuse without memset: r writes ret_s again only in combine e+1, after its dispatch e+1
 saw s's inbox flag e+1, which s raised after finishing this combine.
@@ -37,6 +36,7 @@ from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, ch
                         in_range, vec_at, vec_elems, wait_bounds, wait_ge)
 
 PH_CSEND, PH_CREDUCE = 1, 2
+PH_CALL = PH_CSEND | PH_CREDUCE  # the decode combine: one launch
 E_BAD_ITEM = 20  # error code of a refused value (peer_buffers.PHASES)
 
 
@@ -67,7 +67,7 @@ def weighted_rows(srcs: list, rows: list, ws: list, dst: Int64, dst_row: Int32, 
 
 @cute.kernel
 def combine_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
-                   timeout_ns: Int64, max_spins: Int32,
+                   max_spins: Int32,
                    phases: Constexpr[int], hidden: Constexpr[int], K: Constexpr[int],
                    W: Constexpr[int], E_l: Constexpr[int], chunk: Constexpr[int],
                    cpr: Constexpr[int], dtype: Constexpr):
@@ -114,7 +114,7 @@ def combine_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip
                     if in_range(e, Int32(W * E_l), err, Int32(E_BAD_ID), Int32(-1)):
                         r = e // E_l
                         wait_ge(rflag + (r * S + _ld(stage + t * K + tidx) // chunk), epoch,
-                                err, timeout_ns, max_spins, Int32(6), r)
+                                err, max_spins, Int32(6), r)
                 cute.arch.sync_threads()
                 ws = [cute.arch.load(wts + t * K + j, Float32) for j in range(K)]
                 weighted_rows([ret] * K, [t * K + j for j in range(K)], ws, y, t, tidx,
@@ -123,23 +123,25 @@ def combine_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip
 
 @cute.jit
 def combine_entry(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
-                  timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
+                  max_spins: Int32, stream: cuda.CUstream,
                   phases: Constexpr[int], hidden: Constexpr[int], K: Constexpr[int],
                   W: Constexpr[int], E_l: Constexpr[int], chunk: Constexpr[int],
                   cpr: Constexpr[int], n_local: Constexpr[int], dtype: Constexpr):
-    combine_kernel(mTab, epoch, S, rank0, skip_rank, timeout_ns,
-                   max_spins, phases, hidden, K, W, E_l, chunk, cpr, dtype).launch(
-        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream)
+    combine_kernel(mTab, epoch, S, rank0, skip_rank, max_spins, phases, hidden, K, W, E_l,
+                   chunk, cpr, dtype).launch(
+        grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
+        cooperative=phases == PH_CALL)  # one launch: its REDUCE waits on its own SENDs
 
 
 @functools.lru_cache(maxsize=None)
 def compile_combine(phases: int, hidden: int, top_k: int, world: int, local_experts: int,
                     chunk: int, cpr: int, n_local: int, dtype: str, arch: str | None = None):
-    """Compiled TVM-FFI combine, one phase (PH_CSEND or PH_CREDUCE) per launch. Call:
-    f(table, epoch, S, rank0, skip_rank, timeout_ns, max_spins) (inputs in F_ARG_* rows)."""
+    """Compiled TVM-FFI combine of `phases` (PH_CALL: decode, one cooperative launch;
+    PH_CSEND or PH_CREDUCE: one prefill launch each). Call:
+    f(table, epoch, S, rank0, skip_rank, max_spins) (inputs in F_ARG_* rows)."""
     return compile_tvm(
         combine_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
-        Int32(-1), Int64(1), Int32(1), fake_stream(), phases, hidden, top_k, world,
+        Int32(-1), Int32(1), fake_stream(), phases, hidden, top_k, world,
         local_experts, chunk, cpr, n_local, DTYPES[dtype], arch=arch)
 
 
@@ -186,7 +188,7 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
             or y.device != bufs.device or topk_weights.device != bufs.device):
         raise ValueError(f"out must be contiguous {s.dtype} [{n}, {s.hidden}] and topk_weights on "
                          f"{bufs.device}; got out {y.dtype} {tuple(y.shape)} on {y.device}")
-    ns, spins = wait_bounds(timeout_s, max_spins)
+    spins = wait_bounds(timeout_s, max_spins)
     w = topk_weights.contiguous()
     bufs.set_args({pb.F_ARG_EY: [e.data_ptr() for e in eys],
                    pb.F_ARG_IDS: row_addrs(handle.topk_ids, handle.tokens),
@@ -197,9 +199,9 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
     cpr = ctas_per_rank(bufs.n_local, decode)
     launches = [compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
                                 handle.chunk, cpr, bufs.n_local, dname)
-                for ph in (PH_CSEND, PH_CREDUCE)]  # both compiled before the first launch
+                for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE))]  # compiled first
     for f in launches:
-        bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
+        bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, spins)
     if check:
         bufs.check_errors(f"ep_combine ({handle.mode}, epoch {handle.epoch})")
     return y

@@ -23,8 +23,8 @@ Protocol of one call with epoch e (rank s sending, rank r receiving; fields: pee
 Modes: "decode" = ONE cooperative launch, the phases separated by a rank-local grid barrier
 (CTAs of all virtual ranks co-resident: grid <= SMs); "prefill" = four launches (COUNT,
 PUBLISH, SEND, RECV), the kernel boundary being the barrier, grid >> SMs allowed.
-Every wait is bounded (timeout_s and an iteration cap); a timeout raises PeerTimeoutError naming
-the rank, the phase and the peer waited for.
+Every wait is bounded (a poll count, from timeout_s or max_spins); a timeout raises
+PeerTimeoutError naming the rank, the phase and the peer waited for.
 
 Flags never go stale: epochs grow per call and waits use a wrap-safe >=, so buffers are reused
 without a memset.
@@ -41,21 +41,17 @@ dispatch used (h.rows_used, expert_offsets[-1] read on the host with the error w
 experts compute only those rows and expert_y needs >= rows_used rows.
 
 Status (issue 5, H200, W in {2, 4, 8} virtual ranks): this dispatch (both modes), ep_combine
-and the tp all-reduce equal their torch references in tests/gpu/test_multirank_virtual_gpu.py
-(uneven tokens with a zero rank, 200 back-to-back calls, withheld rank -> PeerTimeoutError,
-out-of-range ids/slots -> PeerDataError). The "illegal memory access" reported earlier was not in
-this dispatch: it came from the decode combine (SEND + REDUCE in one launch) and the fused tp
-combine + one-shot, i.e. kernels that wrote rows and then polled flags set by other CTAs of the
-same launch. It happened on every native run, with or without a cooperative launch, with a
-smaller grid, with a device sync around each launch; never with the two phases in separate
-launches or under compute-sanitizer. A GPU core dump put it on the REDUCE's first
-ld.acquire.sys poll, at an address (lane 0) that decodes to ret_flag[rank 1][9], inside the
-peer heap; the SASS address arithmetic matches the design. The mechanism below the ISA is not
-known, so those operations are now two launches each (the kernel boundary separates writing the
-rows from polling their flags). This decode dispatch still writes and polls in one launch and
-passed every run. Real ranks (one process each, PeerBuffers.from_process_group): the
-dp_nvlink topology's GPU test (tests/gpu/test_topologies_cute_gpu.py) runs two processes on one
-GPU over CUDA IPC; ranks on separate GPUs (NVLink peers) have not run yet.
+(decode: SEND + REDUCE in one launch) and the tp combine + all-reduce (one launch) equal their
+torch references in tests/gpu/test_multirank_virtual_gpu.py (uneven tokens with a zero rank,
+200 back-to-back calls, withheld rank -> PeerTimeoutError, out-of-range ids/slots ->
+PeerDataError). The "illegal memory access" that once forced the combines into two launches was
+traced to the timer read of the bounded waits (sync/grid_barrier.py): the one-launch combines
+faulted at the first flag poll after a %globaltimer (or %clock64) read, with valid addresses
+in every lane (core dump), and pass at W = 2/4/8 with no timer read, whatever the poll's
+scope, ordering, sleep or polling lanes. Waits are bounded by poll counts. Real ranks (one
+process each, PeerBuffers.from_process_group): the dp_nvlink topology's GPU test
+(tests/gpu/test_topologies_cute_gpu.py) runs two processes on one GPU over CUDA IPC; ranks on
+separate GPUs (NVLink peers) have not run yet.
 """
 from __future__ import annotations
 
@@ -91,7 +87,6 @@ def _ld(p):
 
 @cute.kernel
 def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
-                    timeout_ns: Int64,
                     max_spins: Int32, phases: Constexpr[int], hidden: Constexpr[int],
                     K: Constexpr[int], W: Constexpr[int], E_l: Constexpr[int],
                     chunk: Constexpr[int], cpr: Constexpr[int], align: Constexpr[int],
@@ -129,7 +124,7 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                 if in_range(e, Int32(W * E_l), err, Int32(E_BAD_ID), Int32(-1)):
                     cute.arch.store(stage + i, cute.arch.atomic_add(cnt + e, Int32(1)))
         if cutlass.const_expr((phases & PH_COUNT) and (phases & PH_PUBLISH)):
-            rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, timeout_ns, max_spins,
+            rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, max_spins,
                               Int32(1))
         # ---------------------------------------------------------------- PUBLISH
         if cutlass.const_expr(phases & PH_PUBLISH):
@@ -154,8 +149,8 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                         cute.arch.store(inv + (e // E_l) * S + si, i)
             if lb == 0:
                 if tidx < W:  # dest tidx finished reading our previous counts
-                    wait_ge(i32_at(mTab[pb.F_ACK, rank]) + tidx, epoch - 1, err, timeout_ns,
-                            max_spins, Int32(2), tidx)
+                    wait_ge(i32_at(mTab[pb.F_ACK, rank]) + tidx, epoch - 1, err, max_spins,
+                            Int32(2), tidx)
                 cute.arch.sync_threads()
                 for q in cutlass.range(tidx, W * E_l, threads):
                     r = q // E_l
@@ -166,7 +161,7 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                     cute.arch.store(i32_at(mTab[pb.F_INBOX_FLAG, tidx]) + rank, epoch,
                                     sem="release", scope="sys")
         if cutlass.const_expr((phases & PH_PUBLISH) and (phases & PH_SEND)):
-            rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, timeout_ns, max_spins,
+            rank_grid_barrier(mTab[pb.F_BAR, rank], lb, cpr, tidx, err, max_spins,
                               Int32(3))
         # ---------------------------------------------------------------- SEND
         if cutlass.const_expr(phases & PH_SEND):
@@ -196,8 +191,8 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
         # ---------------------------------------------------------------- RECV
         if cutlass.const_expr(phases & PH_RECV):
             if tidx < W:
-                wait_ge(i32_at(mTab[pb.F_INBOX_FLAG, rank]) + tidx, epoch, err, timeout_ns,
-                        max_spins, Int32(4), tidx)
+                wait_ge(i32_at(mTab[pb.F_INBOX_FLAG, rank]) + tidx, epoch, err, max_spins,
+                        Int32(4), tidx)
             cute.arch.sync_threads()
             box = i32_at(mTab[pb.F_INBOX_CNT, rank])
             for q in cutlass.range(tidx, W * E_l, threads):  # counts [source, local expert]
@@ -249,7 +244,7 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
             for g in cutlass.range(lb, total, cpr):
                 s, c, n, _t = chunk_of(g, rank, counts, chunk, W)
                 if tidx == 0:
-                    wait_ge(cflag + (s * S + c), epoch, err, timeout_ns, max_spins, Int32(5), s)
+                    wait_ge(cflag + (s * S + c), epoch, err, max_spins, Int32(5), s)
                 cute.arch.sync_threads()
                 ok = cute.arch.load(i32_at(err), Int32, sem="relaxed", scope="gpu") == 0
                 for q in cutlass.range_constexpr(chunk):
@@ -267,12 +262,12 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
 
 @cute.jit
 def dispatch_entry(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, skip_rank: Int32,
-                   timeout_ns: Int64, max_spins: Int32, stream: cuda.CUstream,
+                   max_spins: Int32, stream: cuda.CUstream,
                    phases: Constexpr[int],
                    hidden: Constexpr[int], K: Constexpr[int], W: Constexpr[int],
                    E_l: Constexpr[int], chunk: Constexpr[int], cpr: Constexpr[int],
                    n_local: Constexpr[int], align: Constexpr[int], dtype: Constexpr):
-    dispatch_kernel(mTab, epoch, S, rank0, skip_rank, timeout_ns, max_spins,
+    dispatch_kernel(mTab, epoch, S, rank0, skip_rank, max_spins,
                     phases, hidden, K, W, E_l, chunk, cpr, align, dtype).launch(
         grid=(n_local * cpr, 1, 1), block=(THREADS, 1, 1), stream=stream,
         cooperative=phases == PH_ALL)
@@ -283,11 +278,11 @@ def compile_dispatch(phases: int, hidden: int, top_k: int, world: int, local_exp
                      chunk: int, cpr: int, n_local: int, align: int, dtype: str,
                      arch: str | None = None):
     """Compiled TVM-FFI dispatch for one configuration (phases PH_ALL = decode, one PH_* =
-    one prefill launch). Call: f(table, epoch, S, rank0, skip_rank, timeout_ns, max_spins) on
+    one prefill launch). Call: f(table, epoch, S, rank0, skip_rank, max_spins) on
     the current torch stream (the table's F_ARG_* rows hold the per-call inputs)."""
     return compile_tvm(
         dispatch_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
-        Int32(-1), Int64(1), Int32(1), fake_stream(), phases, hidden, top_k, world,
+        Int32(-1), Int32(1), fake_stream(), phases, hidden, top_k, world,
         local_experts, chunk, cpr, n_local, align, DTYPES[dtype], arch=arch)
 
 
@@ -384,7 +379,8 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
         mode: "auto" | "decode" (one cooperative launch) | "prefill" (four launches); auto
             decides from the busiest virtual rank's T, or for a real rank (n_local = 1) from
             max_tokens_per_rank, so that every rank picks the same (see pick_mode).
-        timeout_s, max_spins: bounds of every device wait.
+        timeout_s, max_spins: bound of every device wait: max_spins polls, or by default
+            timeout_s at one poll per peer_sync.POLL_NS (a wait then lasts >= about timeout_s).
         check: read the error words after the launch (host sync) and raise PeerTimeoutError;
             then also read each local rank's row count (handle.rows_used). Pass False inside
             CUDA graphs and call bufs.check_errors() later.
@@ -403,7 +399,7 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     tokens = check_inputs(bufs, x, topk_ids, tokens_per_rank)
     mode = pick_mode(mode, max(tokens) if bufs.n_local == s.world_size else s.max_tokens_per_rank)
     chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
-    ns, spins = wait_bounds(timeout_s, max_spins)
+    spins = wait_bounds(timeout_s, max_spins)
     dname = str(s.dtype).removeprefix("torch.")
     cpr = ctas_per_rank(bufs.n_local, mode == "decode")
     # every launch compiled before the epoch advances: a compile error changes no protocol state
@@ -415,7 +411,7 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
                    pb.F_ARG_T: tokens})
     epoch = bufs.next_epoch()
     for f in launches:
-        bufs.launch(f, epoch, s.stage_rows, bufs.rank0, skip_rank, ns, spins)
+        bufs.launch(f, epoch, s.stage_rows, bufs.rank0, skip_rank, spins)
     handle = EPDispatchHandle(epoch, tokens, topk_ids, x, mode, chunk,
                               [bufs.expert_x(i) for i in range(bufs.n_local)],
                               [bufs.expert_offsets(i) for i in range(bufs.n_local)])

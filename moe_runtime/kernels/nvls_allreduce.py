@@ -13,7 +13,7 @@ Kernel (rank r of W, n 16-byte vectors, epoch e = 1, 2, ... per call):
   reduce   vectors [r*n/W, (r+1)*n/W): multimem.ld_reduce (fp32 accumulate in the switch) from
            in_mc, multimem.st of the sum to out_mc (every rank's output)
   barrier  flag[b] >= 2e * W (every slice broadcast everywhere)
-The waits are bounded like every other wait (timeout + iteration cap -> error words).
+The waits are bounded like every other wait (a poll count -> error words; no timer read).
 """
 from __future__ import annotations
 
@@ -64,24 +64,23 @@ def mc_red_add_release(addr: Int64, v, *, loc=None, ip=None):
 
 @cute.jit
 def nvls_barrier(flag_mc: Int64, flag_local: Int64, target: Int32, tidx: Int32, bidx: Int32,
-                 err: Int64, timeout_ns: Int64, max_spins: Int32, phase: Int32):
+                 err: Int64, max_spins: Int32, phase: Int32):
     cute.arch.sync_threads()
     if tidx == 0:
         cute.arch.fence_acq_rel_sys()
         mc_red_add_release(flag_mc + Int64(bidx) * 4, Int32(1))
-        wait_ge(i32_at(flag_local) + bidx, target, err, timeout_ns, max_spins, phase, Int32(-1))
+        wait_ge(i32_at(flag_local) + bidx, target, err, max_spins, phase, Int32(-1))
     cute.arch.sync_threads()
 
 
 @cute.kernel
 def nvls_allreduce_kernel(in_mc: Int64, out_mc: Int64, flag_mc: Int64, flag_local: Int64,
-                          err: Int64, n_vec: Int32, epoch: Int32, rank: Int32, timeout_ns: Int64,
-                          max_spins: Int32, world: Constexpr[int]):
+                          err: Int64, n_vec: Int32, epoch: Int32, rank: Int32, max_spins: Int32,
+                          world: Constexpr[int]):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
-    nvls_barrier(flag_mc, flag_local, (2 * epoch - 1) * world, tidx, bidx, err, timeout_ns,
-                 max_spins, Int32(7))
+    nvls_barrier(flag_mc, flag_local, (2 * epoch - 1) * world, tidx, bidx, err, max_spins, Int32(7))
     per = (n_vec + (world - 1)) // world
     lo = rank * per
     mine = n_vec - lo
@@ -90,17 +89,17 @@ def nvls_allreduce_kernel(in_mc: Int64, out_mc: Int64, flag_mc: Int64, flag_loca
         off = Int64(lo + q) * 16
         a, b, c, d = mc_ld_reduce_bf16x8(in_mc + off)
         mc_st_b32x4(out_mc + off, a, b, c, d)
-    nvls_barrier(flag_mc, flag_local, 2 * epoch * world, tidx, bidx, err, timeout_ns, max_spins,
+    nvls_barrier(flag_mc, flag_local, 2 * epoch * world, tidx, bidx, err, max_spins,
                  Int32(9))
 
 
 @cute.jit
 def nvls_allreduce_entry(in_mc: Int64, out_mc: Int64, flag_mc: Int64, flag_local: Int64,
-                         err: Int64, n_vec: Int32, epoch: Int32, rank: Int32, timeout_ns: Int64,
-                         max_spins: Int32, stream: cuda.CUstream, world: Constexpr[int],
+                         err: Int64, n_vec: Int32, epoch: Int32, rank: Int32, max_spins: Int32,
+                         stream: cuda.CUstream, world: Constexpr[int],
                          num_ctas: Constexpr[int]):
     nvls_allreduce_kernel(in_mc, out_mc, flag_mc, flag_local, err, n_vec, epoch, rank,
-                          timeout_ns, max_spins, world).launch(
+                          max_spins, world).launch(
         grid=(num_ctas, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -108,7 +107,7 @@ def nvls_allreduce_entry(in_mc: Int64, out_mc: Int64, flag_mc: Int64, flag_local
 def compile_nvls_allreduce(world: int, num_ctas: int, arch: str | None = None):
     """Compile only (bf16). Plain ABI (no tensor arguments, so no TVM-FFI env stream)."""
     z = Int64(0)
-    return cute.compile(nvls_allreduce_entry, z, z, z, z, z, Int32(1), Int32(1), Int32(0), z,
+    return cute.compile(nvls_allreduce_entry, z, z, z, z, z, Int32(1), Int32(1), Int32(0),
                         Int32(1), cuda.CUstream(0), world, num_ctas,
                         options="--keep-ptx" + (f" --gpu-arch {arch}" if arch else ""))
 

@@ -7,9 +7,9 @@ The per-rank grid barrier runs the bit-31 barrier core of moe_runtime/sync/grid_
 from the local kernels' needs in three ways the multi-rank protocol relies on: flags at *system*
 scope, a wait that also stops when its rank already recorded an error (so a withheld peer costs
 one timeout, not one per flag), and errors kept per rank in the peer heap (phase, peer,
-expected, seen) rather than in the host-mapped flags of sync/host.py. Every wait has an
-iteration cap next to the %globaltimer bound (CUTEDSL.md §16: timer-based bounds overshoot
-50 ms -> 3 s on the H200 machines).
+expected, seen) rather than in the host-mapped flags of sync/host.py. Every wait is bounded by
+a poll count (wait_bounds converts a timeout); no timer is read in device code (see
+sync/grid_barrier.py for the fault a timer read caused in these kernels).
 
 Addresses: every buffer is reached through an Int64 address (peer pointer or local), never a
 cute tensor of dynamic extent, and row offsets are computed in Int64 (rows * H overflows int32
@@ -99,12 +99,11 @@ def record_error(err: Int64, phase: Int32, peer: Int32, expected: Int32, seen: I
 
 
 @cute.jit
-def wait_ge(flag: cute.Pointer, target: Int32, err: Int64, timeout_ns: Int64, max_spins: Int32,
-            phase: Int32, peer: Int32):
+def wait_ge(flag: cute.Pointer, target: Int32, err: Int64, max_spins: Int32, phase: Int32,
+            peer: Int32):
     """One thread waits for *flag - target >= 0 (monotonic epochs, wrap-safe, never `==`:
-    CUTEDSL.md P14) with ld.acquire.sys. Gives up after timeout_ns, after max_spins polls, or at
+    CUTEDSL.md P14) with ld.acquire.sys. Gives up after max_spins polls, or at
     once when this rank already recorded an error; a timeout is recorded as (phase, peer)."""
-    t0 = cute.arch.globaltimer()
     v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
     n = Int32(0)
     stop = False
@@ -113,7 +112,7 @@ def wait_ge(flag: cute.Pointer, target: Int32, err: Int64, timeout_ns: Int64, ma
         v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
         n = n + 1
         aborted = cute.arch.load(i32_at(err), Int32, sem="relaxed", scope="gpu") != 0
-        stop = aborted | (n >= max_spins) | ((cute.arch.globaltimer() - t0) > timeout_ns)
+        stop = aborted | (n >= max_spins)
     if v - target < 0:
         record_error(err, phase, peer, target, v)
 
@@ -140,18 +139,17 @@ def signal_release(flag: cute.Pointer, value: Int32, tidx: Int32):
 
 @cute.jit
 def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int32, err: Int64,
-                      timeout_ns: Int64, max_spins: Int32, phase: Int32):
+                      max_spins: Int32, phase: Int32):
     """Barrier among the cpr CTAs of one rank (CUTEDSL.md recipe 5 bit-31 flip, self-resetting,
     one word per rank). Needs the CTAs co-resident (cooperative launch, P15). Bounded by TWICE
-    timeout_ns / max_spins: a CTA held up by a peer wait (bound 1x) reports that peer first and
+    max_spins: a CTA held up by a peer wait (bound 1x) reports that peer first and
     the barrier waiters then stop on its error; a barrier timeout of its own records
     (phase, peer=-1) and leaves the word dirty (reset() clears it)."""
     cute.arch.sync_threads()
     if tidx == 0:
         bar = cute.make_ptr(Uint32, bar_addr, GMEM, assumed_align=4)
         cute.arch.fence_acq_rel_gpu()
-        timed_out, cur = arrive_and_wait(bar, lb == 0, Uint32(cpr), max_spins * 2, timeout_ns * 2,
-                                         err, SLEEP_NS)
+        timed_out, cur = arrive_and_wait(bar, lb == 0, Uint32(cpr), max_spins * 2, err, SLEEP_NS)
         if timed_out:
             record_error(err, phase, Int32(-1), Int32(cpr), Int32(cur & Uint32(0x7FFFFFFF)))
         cute.arch.fence_acq_rel_gpu()
@@ -160,8 +158,8 @@ def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int
 
 @cute.jit
 def cross_rank_barrier(mTab: cute.Tensor, sig_field: Constexpr[int], rank: Int32, lb: Int32,
-                       epoch: Int32, tidx: Int32, err: Int64, timeout_ns: Int64, max_spins: Int32,
-                       phase: Int32, W: Constexpr[int]):
+                       epoch: Int32, tidx: Int32, err: Int64, max_spins: Int32, phase: Int32,
+                       W: Constexpr[int]):
     """CTA lb of every rank meets CTA lb of every other rank (CUTEDSL.md recipe 6): thread s < W
     stores epoch into pad_s[lb, rank] (release.sys), then waits pad_rank[lb, s] >= epoch. Every
     rank must launch the same number of CTAs per rank; epochs only grow (host take_sig_epochs)."""
@@ -170,7 +168,7 @@ def cross_rank_barrier(mTab: cute.Tensor, sig_field: Constexpr[int], rank: Int32
         peer = i32_at(mTab[sig_field, tidx])
         cute.arch.store(peer + (lb * W + rank), epoch, sem="release", scope="sys")
         mine = i32_at(mTab[sig_field, rank])
-        wait_ge(mine + (lb * W + tidx), epoch, err, timeout_ns, max_spins, phase, tidx)
+        wait_ge(mine + (lb * W + tidx), epoch, err, max_spins, phase, tidx)
     cute.arch.sync_threads()
 
 
@@ -235,22 +233,25 @@ MAX_SPINS = 0x3FFFFFFF  # grid barriers wait up to 2 * max_spins polls: keep tha
 MAX_TIMEOUT_S = 3600.0
 
 
-def wait_bounds(timeout_s: float, max_spins: int | None) -> tuple[int, int]:
-    """(timeout_ns, max_spins) kernel arguments. max_spins defaults to one poll per 100 ns of
-    timeout (each poll sleeps >= SLEEP_NS and loads twice), so a timer that overshoots
-    (CUTEDSL.md §16) still ends within a small multiple of timeout_s.
+POLL_NS = 100  # assumed floor of one poll (nanosleep back-off + a strong load from L2 or a peer)
+
+
+def wait_bounds(timeout_s: float, max_spins: int | None) -> int:
+    """The max_spins kernel argument: the poll count of every device wait. Default: timeout_s
+    at one poll per POLL_NS, so a wait whose polls take longer (they do: an L2 round trip is
+    already above it) lasts longer than timeout_s, never unbounded; capped at MAX_SPINS.
+    Device code reads no timer (see sync/grid_barrier.py), so this count is the bound.
 
     Raises:
         ValueError: timeout_s not in (0, MAX_TIMEOUT_S], max_spins not in [1, MAX_SPINS].
     """
     if not 0 < timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}")
-    ns = int(timeout_s * 1e9)
     if max_spins is None:
-        return ns, max(1, min(MAX_SPINS, ns // 100))
+        return max(1, min(MAX_SPINS, int(timeout_s * 1e9) // POLL_NS))
     if not 1 <= int(max_spins) <= MAX_SPINS:
         raise ValueError(f"max_spins must be in [1, {MAX_SPINS}], got {max_spins}")
-    return ns, int(max_spins)
+    return int(max_spins)
 
 
 def ctas_per_rank(n_local: int, one_per_sm: bool) -> int:

@@ -7,8 +7,14 @@ CUTEDSL.md recipe 5). Each block waits until bit 31 differs from the `old` value
 returned, so there is no ABA problem and no epoch to pass in: the word is its own generation
 counter.
 
-The wait is bounded twice: by `max_iters` polls and by `timeout_ns` of %globaltimer (timers
-overshoot on some machines, CUTEDSL.md §16 r9, so the iteration bound is the reliable one).
+The wait is bounded by `max_iters` polls (each a nanosleep back-off plus a strong load; the
+host converts a timeout to polls, kernels/peer_sync.wait_bounds). No timer is read: on the lent
+H200 (driver 580.159) a %globaltimer or %clock64 read in these wait loops made one-launch
+multi-phase kernels fail with "illegal memory access" at valid addresses (the fused decode
+combines of kernels/ep_combine.py and kernels/allreduce.py at 2/4/8 virtual ranks, whatever the
+poll's scope, ordering, sleep or polling lanes; a core dump put it on the first poll after the
+timer read); without any timer read the same kernels pass. %globaltimer bounds also overshot
+50 ms -> 3 s there (CUTEDSL.md §16 r9).
 On timeout the block records `site` in the error words (mapped host memory, see
 `moe_runtime.sync.host.ErrorFlags`) and returns ok = 0; callers skip the work that depended on
 the barrier. After a timeout the barrier word is inconsistent: the host resets it together
@@ -45,12 +51,12 @@ def record_error(err_addr: Int64, site: Constexpr[int]):
 
 @cute.jit
 def arrive_and_wait(bar: cute.Pointer, leader, nblocks: Uint32, max_iters: Int32,
-                    timeout_ns: Int64, abort_addr: Int64, SLEEP_NS: Constexpr[int]):
+                    abort_addr: Int64, SLEEP_NS: Constexpr[int]):
     """One thread per block: arrive at the bit-31 barrier word `bar`, then wait for the flip.
 
     The leader block adds 2^31 - (nblocks - 1), every other block 1 (release); the thread then
     acquire-polls until bit 31 differs from the value its own atomic returned. It gives up after
-    `max_iters` polls, after `timeout_ns` of %globaltimer, or, when `abort_addr` != 0, as soon as
+    `max_iters` polls or, when `abort_addr` != 0, as soon as
     the int32 there is nonzero (an error already recorded elsewhere). SLEEP_NS > 0 backs off with
     nanosleep between polls. Shared by `grid_barrier` (whole grid) and the multi-rank kernels'
     per-rank barrier (kernels/peer_sync.rank_grid_barrier: the cpr CTAs of one rank).
@@ -62,7 +68,6 @@ def arrive_and_wait(bar: cute.Pointer, leader, nblocks: Uint32, max_iters: Int32
     if leader:
         inc = Uint32(PHASE_BIT) - (nblocks - Uint32(1))
     old = atomic_add_release(bar, inc)
-    t0 = cute.arch.globaltimer()
     cur = ld_acquire(bar)
     polls = Int32(0)
     stop = False
@@ -71,7 +76,7 @@ def arrive_and_wait(bar: cute.Pointer, leader, nblocks: Uint32, max_iters: Int32
             nanosleep(SLEEP_NS)
         cur = ld_acquire(bar)
         polls = polls + 1
-        stop = (polls >= max_iters) | ((cute.arch.globaltimer() - t0) > timeout_ns)
+        stop = polls >= max_iters
         if abort_addr != Int64(0):
             abort = cute.make_ptr(Int32, abort_addr, cute.AddressSpace.gmem, assumed_align=4)
             stop = stop | (cute.arch.load(abort, Int32, sem="relaxed", scope="gpu") != 0)
@@ -80,14 +85,14 @@ def arrive_and_wait(bar: cute.Pointer, leader, nblocks: Uint32, max_iters: Int32
 
 @cute.jit
 def grid_barrier(bar: cute.Pointer, s_flag: cute.Pointer, err_addr: Int64, max_iters: Int32,
-                 timeout_ns: Int64, site: Constexpr[int]) -> Int32:
+                 site: Constexpr[int]) -> Int32:
     """Block-wide call: wait until every block of the grid has arrived.
 
     Args:
         bar: the Uint32 barrier word (global memory).
         s_flag: one Int32 of shared memory, used to broadcast the outcome to the block.
         err_addr: address of the error words (0: do not record).
-        max_iters, timeout_ns: spin bounds (polls, nanoseconds).
+        max_iters: the spin bound (polls).
         site: error word index naming this barrier for the host's message.
 
     Returns:
@@ -99,8 +104,7 @@ def grid_barrier(bar: cute.Pointer, s_flag: cute.Pointer, err_addr: Int64, max_i
         bidx, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         fence_gpu()
-        timed_out, _ = arrive_and_wait(bar, bidx == 0, Uint32(nblk), max_iters, timeout_ns,
-                                       Int64(0), 0)
+        timed_out, _ = arrive_and_wait(bar, bidx == 0, Uint32(nblk), max_iters, Int64(0), 0)
         fence_gpu()
         ok = Int32(1)
         if timed_out:
@@ -135,7 +139,7 @@ def last_block_arrive(done: cute.Pointer, s_flag: cute.Pointer) -> Int32:
 
 @cute.kernel
 def barrier_probe_kernel(mWs: cute.Tensor, absent_block: Int32, rounds: Int32, err_addr: Int64,
-                         max_iters: Int32, timeout_ns: Int64, site: Constexpr[int]):
+                         max_iters: Int32, site: Constexpr[int]):
     """Test hook: `rounds` grid barriers in a row; block `absent_block` never arrives."""
     bidx, _, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
@@ -143,13 +147,13 @@ def barrier_probe_kernel(mWs: cute.Tensor, absent_block: Int32, rounds: Int32, e
     bar = cute.recast_ptr(mWs.iterator, dtype=Uint32)
     if bidx != absent_block:
         for _ in cutlass.range(rounds):
-            grid_barrier(bar, s_flag.iterator, err_addr, max_iters, timeout_ns, site)
+            grid_barrier(bar, s_flag.iterator, err_addr, max_iters, site)
 
 
 @cute.jit
 def barrier_probe(mWs: cute.Tensor, absent_block: Int32, rounds: Int32, grid: Int32,
-                  err_addr: Int64, max_iters: Int32, timeout_ns: Int64, stream,
+                  err_addr: Int64, max_iters: Int32, stream,
                   site: Constexpr[int]):
     """Launch `barrier_probe_kernel` cooperatively with `grid` blocks of 32 threads."""
-    barrier_probe_kernel(mWs, absent_block, rounds, err_addr, max_iters, timeout_ns, site).launch(
+    barrier_probe_kernel(mWs, absent_block, rounds, err_addr, max_iters, site).launch(
         grid=(grid, 1, 1), block=(32, 1, 1), cooperative=True, stream=stream)

@@ -161,10 +161,13 @@ def test_all_reduce_matches_torch_sum(vr, algo):
             close(out[r], ref, f"{algo} W={vr.W} T={T} rank {r}")
 
 
-def test_tp_combine_all_reduce(vr):
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+def test_tp_combine_all_reduce(vr, algo):
+    """The combine and the all-reduce in ONE launch: each CTA combines the vectors its own
+    all-reduce reads (two-shot: its part of every owner's slice), outputs poisoned first."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     El, scale = vr.spec.num_local_experts, expert_scale(E, "cuda")
-    for T in (1, 19, T_MAX):
+    for T in (1, 19, T_MAX, 3):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         ids, w = routing(T, gen)
         eys, slots, ref = [], [], torch.zeros(T, H, device="cuda")
@@ -173,9 +176,11 @@ def test_tp_combine_all_reduce(vr):
             eys.append(apply_test_experts(ex, offs, r * El, scale))
             slots.append(slot)
             ref += reference.combine(eys[-1], slot, w).float()
-        out = vr.tp_combine_all_reduce(eys, torch.stack(slots), w, timeout_s=TIMEOUT_S)
+        out = torch.full((vr.W, T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        vr.tp_combine_all_reduce(eys, torch.stack(slots), w, algo=algo, out=out,
+                                 timeout_s=TIMEOUT_S)
         for r in range(vr.W):
-            close(out[r], ref, f"tp combine W={vr.W} T={T} rank {r}")
+            close(out[r], ref, f"tp combine + {algo} W={vr.W} T={T} rank {r}")
 
 
 def test_out_of_range_inputs_are_refused_not_faulting(vr):
