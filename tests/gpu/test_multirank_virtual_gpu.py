@@ -23,6 +23,7 @@ from moe_runtime.comm.virtual import (VirtualRanks, apply_test_experts, expert_s
                                       kernel_token_slots, reference_dispatch_per_rank,
                                       reference_dp_combine)
 from moe_runtime.kernels import reference  # noqa: E402
+from _dist import run_distributed  # noqa: E402
 
 H, K, E, T_MAX = 7168, 8, 256, 64
 WORLDS = (2, 4, 8)
@@ -207,3 +208,56 @@ def test_out_of_range_inputs_are_refused_not_faulting(vr):
     with pytest.raises(pb.PeerDataError, match="token_slot"):
         vr.tp_combine_all_reduce(eys, slots, w, timeout_s=TIMEOUT_S)
     vr.bufs.reset()
+
+
+def w_reference_topologies(rank, world, x, ids, w, tokens, num_experts):
+    """The REFERENCE dp_nvlink and tp topologies, one gloo process per rank on the CPU, with the
+    row-wise test experts (x * c_e): per topology this rank's expert_offsets and y. dp_nvlink:
+    rank r routes its own slice of tokens; tp: every rank holds the first tokens[0] tokens."""
+    from moe_runtime.topologies import make_topology
+    out, scale = {}, expert_scale(num_experts, "cpu")
+    a = sum(tokens[:rank])
+    batches = {"dp_nvlink": (x[a:a + tokens[rank]], ids[a:a + tokens[rank]], w[a:a + tokens[rank]]),
+               "tp": (x[:tokens[0]], ids[:tokens[0]], w[:tokens[0]])}
+    for name, (xr, ir, wr) in batches.items():
+        topo = make_topology(name, num_experts, backend="reference")
+        res = topo.dispatch(xr, ir, wr)
+        ey = apply_test_experts(res.expert_x, res.expert_offsets, topo.expert_start, scale)
+        out[name] = (res.expert_offsets, topo.combine(ey, res))
+    return out
+
+
+def test_equals_reference_topologies_over_gloo(vr):
+    """Issue 5's oracle, literally: the same inputs through the reference dp_nvlink and tp
+    topologies run by W gloo processes (CPU) and through the virtual ranks' kernels: equal
+    expert_offsets on every rank, y within bf16 tolerance (dp_nvlink: uneven tokens with a zero
+    rank, decode and prefill; tp: the local cute dispatch with each rank's expert range, then
+    the fused combine + all-reduce)."""
+    from moe_runtime.kernels import cute_ops
+    gen = torch.Generator(device="cuda").manual_seed(21 + vr.W)
+    tokens = UNEVEN[:vr.W]
+    xs, ids, ws = inputs(tokens, gen)
+    X, I, Wt = torch.cat(xs), torch.cat(ids), torch.cat(ws)
+    ref = run_distributed(w_reference_topologies, vr.W, X.cpu(), I.cpu(), Wt.cpu(), tokens, E,
+                          timeout_s=300)
+    El, scale = vr.spec.num_local_experts, expert_scale(E, "cuda")
+    for mode in ("decode", "prefill"):
+        h = vr.dispatch(xs, ids, mode=mode, timeout_s=TIMEOUT_S)
+        eys = [apply_test_experts(h.expert_x[r], h.expert_offsets[r], r * El, scale)
+               for r in range(vr.W)]
+        ys = vr.combine(h, eys, ws, timeout_s=TIMEOUT_S)
+        for r in range(vr.W):
+            offs, y_ref = ref[r]["dp_nvlink"]
+            assert torch.equal(h.expert_offsets[r].cpu(), offs), f"dp {mode} rank {r} offsets"
+            close(ys[r].cpu(), y_ref, f"dp_nvlink {mode} W={vr.W} rank {r} vs gloo reference")
+    T = tokens[0]
+    eys, slots = [], []
+    for r in range(vr.W):
+        ex, offs, slot = cute_ops.dispatch(xs[0], ids[0], expert_start=r * El, num_local_experts=El)
+        assert torch.equal(offs.cpu(), ref[r]["tp"][0]), f"tp rank {r} offsets"
+        eys.append(apply_test_experts(ex, offs, r * El, scale))
+        slots.append(slot)
+    out = vr.tp_combine_all_reduce(eys, torch.stack(slots), ws[0], timeout_s=TIMEOUT_S)
+    for r in range(vr.W):
+        assert out[r].shape == (T, H)
+        close(out[r].cpu(), ref[r]["tp"][1], f"tp W={vr.W} rank {r} vs gloo reference")
