@@ -15,7 +15,8 @@ source sums over k in fp32 (j = 0..k-1, one cast, the order of reference.combine
               max_tokens_per_rank (1024) every call runs the prefill dispatch; pass
               max_tokens_per_rank <= 128 for the decode one. Then the error words and
               expert_offsets[-1] are read in one device-to-host copy (one host sync).
-    combine   two launches (send back, weighted sum), then the error words (one host sync).
+    combine   send back + weighted sum: one cooperative launch after a decode dispatch, two
+              launches after a prefill one; then the error words (one host sync).
 Every rank launches on every call, T = 0 included (its peers wait for its counts).
 
 Differences from the reference backend's DispatchResult: expert_x and expert_offsets are views
