@@ -14,7 +14,11 @@ from .kernels.grouped_gemm import grouped_gemm, quack_supported, swiglu_grouped_
 # its expert's weights, so it wins while rows are few and mostly on distinct experts. Measured by
 # benchmarks/expert_gemv.py on the H200 (bf16): GEMV faster by 1.6-2.4x up to 64 rows on Qwen3
 # (128 experts) and DeepSeek-V3 (256), 1.24x at 8 rows on Mixtral's 8 experts, 0.87x at 16.
-# Rule: rows <= GEMV_MAX_ROWS and rows <= 1.5 x local experts.
+# Rule: rows <= GEMV_MAX_ROWS and rows <= 1.5 x local experts, where rows are those the rank
+# expects to use (DispatchResult.expected_rows: under `tp` ~1/W of expert_x's capacity rows).
+# The rule is about speed only: the kernel finds each row's expert from the device offsets and
+# the blocks of rows past expert_offsets[-1] return after one load (no shared memory; grid.y is
+# expert_x's rows), so skewed routing (more real rows than expected) is slower, never wrong.
 GEMV_MAX_ROWS = 64
 
 
@@ -127,33 +131,45 @@ class Experts(nn.Module):
         step = 16 // dtype.itemsize
         return self.gate_up_proj.shape[-1] % step == 0 and self.intermediate_size % step == 0
 
-    def _gemv(self, x: torch.Tensor) -> bool:
-        """Decode-sized rows on CUDA with CuTeDSL: the expert GEMV kernel (kernels/expert_gemv.py)."""
-        rows = x.shape[0]
-        return (x.device.type == "cuda" and rows <= GEMV_MAX_ROWS
-                and 2 * rows <= 3 * self.gate_up_proj.shape[0]
+    def _cute(self, device: torch.device) -> bool:
+        """Whether the expert kernels on `device` may be CuTeDSL ones: CUDA, and `backend`
+        resolves to "cute" there."""
+        return device.type == "cuda" and resolve_backend(self.backend, device) == "cute"
+
+    def _gemv(self, x: torch.Tensor, rows: int | None = None) -> bool:
+        """Decode-sized rows on CUDA with CuTeDSL: the expert GEMV kernel (kernels/expert_gemv.py).
+
+        rows: the rows of x expected to be used (default all, x.shape[0]); the GEMV_MAX_ROWS
+        rule applies to them (it is about speed only, see GEMV_MAX_ROWS)."""
+        rows = x.shape[0] if rows is None else rows
+        return (rows <= GEMV_MAX_ROWS and 2 * rows <= 3 * self.gate_up_proj.shape[0]
                 and x.dtype in (torch.bfloat16, torch.float16) and self.use_grouped_mm is not False
-                and self._rows_16b_aligned(x.dtype) and resolve_backend(self.backend, x.device) == "cute")
+                and self._rows_16b_aligned(x.dtype) and self._cute(x.device))
 
     def _quack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused
         into the gate/up epilogue (kernels/grouped_gemm.py). Needs contiguous (K-major) weights.
         Not under torch.compile: quack traces only its autotuned variant there, so compiled
         graphs keep torch._grouped_mm."""
-        return (device.type == "cuda" and self.use_grouped_mm is not False
-                and not torch.compiler.is_compiling()
+        return (self.use_grouped_mm is not False and not torch.compiler.is_compiling()
                 and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous()
-                and self._rows_16b_aligned(dtype) and quack_supported(device.index, dtype)
-                and resolve_backend(self.backend, device) == "cute")
+                and self._rows_16b_aligned(dtype) and self._cute(device)
+                and quack_supported(device.index, dtype))
 
-    def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor,
+                expected_rows: int | None = None) -> torch.Tensor:
         """expert_x [N, H] expert-major, expert_offsets int32 [E_local+1] -> [N, H].
 
-        Path, first that applies: the CuTeDSL expert GEMV (fused SwiGLU) for N <= GEMV_MAX_ROWS
-        on CUDA (`_gemv`); quack's varlen grouped GEMM with fused SwiGLU on sm_90/sm_100
-        (`_quack`); torch._grouped_mm with the device offsets; a per-expert loop (`_grouped`).
+        expected_rows: host int, the rows expected to be used, an estimate of
+        expert_offsets[-1] (DispatchResult.expected_rows); None: N. It only picks the path:
+        every path computes rows [0, expert_offsets[-1]) from the device offsets, whatever it is.
+
+        Path, first that applies: the CuTeDSL expert GEMV (fused SwiGLU) for decode-sized
+        expected rows on CUDA (`_gemv`, the GEMV_MAX_ROWS rule); quack's varlen grouped GEMM with
+        fused SwiGLU on sm_90/sm_100 (`_quack`); torch._grouped_mm with the device offsets; a
+        per-expert loop (`_grouped`).
         """
-        if self._gemv(expert_x):
+        if self._gemv(expert_x, expected_rows):
             ops = get_ops("cute")
             act = ops.expert_gemv(expert_x, expert_offsets, self.gate_up_proj, swiglu=True)
             return ops.expert_gemv(act, expert_offsets, self.down_proj, swiglu=False)

@@ -39,7 +39,9 @@ class MoELayer(nn.Module):
     GEMM or `torch._grouped_mm`, all with device offsets, see experts.py), so `enable_cuda_graphs()` can
     capture it per bucketed token count (see cuda_graphs.py). `torch._grouped_mm` needs no row
     alignment per expert (only 16-byte aligned rows, i.e. H and I multiples of 8), so `align`
-    stays 1 by default on CUDA too.
+    stays 1 by default on CUDA too. The experts choose their kernels from the rows the topology
+    expects this rank to use (DispatchResult.expected_rows: under `tp` T*k/W of the T*k
+    capacity rows), so `tp` decode keeps the GEMV without reading the real count on the host.
 
     Raises:
         ValueError / TypeError: bad config, topology name, or input shape/dtype/device.
@@ -202,7 +204,7 @@ class MoELayer(nn.Module):
         """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""
         topk_ids, topk_weights = self.router(x)
         result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False)
-        expert_y = self.experts(result.expert_x, result.expert_offsets)
+        expert_y = self.experts(result.expert_x, result.expert_offsets, result.expected_rows)
         y = self.topology.combine(expert_y, result)
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)

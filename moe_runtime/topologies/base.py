@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -26,11 +26,17 @@ class DispatchResult:
         expert_x: [N, H] rows in expert-major order (N >= expert_offsets[-1]).
         expert_offsets: int32 [E_local + 1] on x's device; segment starts, last = rows used.
         handle: backend state combine needs (slot maps, routing of rows back to ranks, ...).
+        expected_rows: host int, the rows this rank expects expert_offsets[-1] to be (padding
+            included), known without a host sync; the experts choose their kernels from it
+            (Experts.forward) and nothing may depend on it for correctness. None: N, every
+            row may be used (exact on the host, or no better estimate). `tp` sets it: its
+            expert_x has capacity rows for every (token, j) pair of which ~1/W are this rank's.
     """
 
     expert_x: torch.Tensor
     expert_offsets: torch.Tensor
     handle: dict[str, Any] = field(default_factory=dict)
+    expected_rows: Optional[int] = None
 
 
 class Topology(abc.ABC):

@@ -35,7 +35,12 @@ class TPTopology(PeerBufferTopology):
     """Tensor-parallel attention: tokens replicated on every rank of `group`.
 
     dispatch(x [T, H], topk_ids int32 [T, k], topk_weights fp32 [T, k]) -> DispatchResult with
-    expert_x [T * k + E_local * (align - 1), H] (x.dtype), expert_offsets int32 [E_local + 1].
+    expert_x [T * k + E_local * (align - 1), H] (x.dtype), expert_offsets int32 [E_local + 1],
+    expected_rows ceil(T * k / W) + E_local * (align - 1): the rows this rank uses when routing
+    is uniform (a rank owns E_local / E = 1 / W of the experts), where only expert_offsets[-1]
+    on the device knows the real count (up to T * min(k, E_local) plus padding when routing is
+    skewed). Experts chooses its kernels from it (e.g. the decode GEMV at T=16, k=8, W=4:
+    32 expected rows, not 128); reading the real count would be a host sync.
     combine(expert_y [>= N, H]) -> y [T, H] in expert_y.dtype, identical on every rank.
     Every rank must pass the same x, topk_ids and topk_weights (not checked: it would cost a
     collective). Constructor arguments and errors: see PeerBufferTopology and GroupTopology
@@ -53,8 +58,10 @@ class TPTopology(PeerBufferTopology):
         expert_x, offsets, slot = ops.dispatch(
             x, topk_ids, expert_start=self.expert_start,
             num_local_experts=self.num_local_experts, align=self.align)
+        T, k = topk_ids.shape
+        expected = -(-T * k // self.world_size) + self.num_local_experts * (self.align - 1)
         return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights,
-                                                  "peer_buffers": bufs})
+                                                  "peer_buffers": bufs}, expected_rows=expected)
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
