@@ -11,9 +11,9 @@ Backend "cute" (CUDA, bf16/fp16; PeerBufferTopology: buffers made by the first C
 "auto" rule, errors):
     dispatch  kernels.cute_ops.dispatch with this rank's expert range (the local CuTeDSL
               dispatch: one launch for decode sizes, two for prefill sizes; no host sync)
-    combine   kernels.allreduce.tp_combine_all_reduce: one launch writes this rank's weighted
-              partial sum, rounded to x.dtype, into its peer buffer; a second launch sums all
-              ranks' partials in fp32 in rank order and casts once: one-shot up to
+    combine   kernels.allreduce.tp_combine_all_reduce, ONE launch: this rank's weighted
+              partial sum, rounded to x.dtype, into its peer buffer, then the sum of all
+              ranks' partials in fp32 in rank order, cast once: one-shot up to
               allreduce.ONESHOT_MAX_BYTES of partials per rank, two-shot above (T is the same
               on every rank, so every rank picks the same). Then the error words are read
               (one host sync per combine). No launch at T = 0.
