@@ -233,14 +233,17 @@ MAX_SPINS = 0x3FFFFFFF  # grid barriers wait up to 2 * max_spins polls: keep tha
 MAX_TIMEOUT_S = 3600.0
 
 
-POLL_NS = 100  # assumed floor of one poll (nanosleep back-off + a strong load from L2 or a peer)
+# Assumed duration of one poll (a 64 ns nanosleep back-off + a strong .sys load): measured 384 ns
+# on the H200 (probe: a withheld peer, 1e6..2e7 polls, 0.1..2 s timeouts); a lower value keeps a
+# faster part from ending a wait much before timeout_s (here a wait lasts ~1.5x timeout_s).
+POLL_NS = 250
 
 
 def wait_bounds(timeout_s: float, max_spins: int | None) -> int:
     """The max_spins kernel argument: the poll count of every device wait. Default: timeout_s
-    at one poll per POLL_NS, so a wait whose polls take longer (they do: an L2 round trip is
-    already above it) lasts longer than timeout_s, never unbounded; capped at MAX_SPINS.
-    Device code reads no timer (see sync/grid_barrier.py), so this count is the bound.
+    at one poll per POLL_NS (a wait lasts about timeout_s * measured poll / POLL_NS: ~1.5x on
+    the H200), capped at MAX_SPINS (~400 s of polls there). Device code reads no timer (see
+    sync/grid_barrier.py), so this count is the bound.
 
     Raises:
         ValueError: timeout_s not in (0, MAX_TIMEOUT_S], max_spins not in [1, MAX_SPINS].
