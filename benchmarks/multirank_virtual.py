@@ -5,7 +5,7 @@ A functional proxy: every "link" is this GPU's HBM, so the numbers show the kern
 protocol overhead, not NVLink speed. Per (W, tokens per rank T):
     dispatch (decode and/or prefill mode), dispatch + combine (identity experts: expert_y is the
     expert_x view), all-reduce one-shot / two-shot of [T, H] per rank, and the tp decode combine
-    fused with the one-shot in one launch (tp_combine_all_reduce).
+    fused with the one-shot or the two-shot in one launch (tp_combine_all_reduce).
 Timing: `gpu us` = GPU time per call with the launches queued behind a sleep kernel (host cost
 hidden); `host us` = wall time per call of the eager Python call (TVM-FFI launches, no sync).
 Bytes moved = rows that cross between ranks (dispatch/combine: W*T*k rows of H; one-shot:
@@ -123,16 +123,17 @@ def bench_world(W, tokens, a, rows):
                 slots.append(slot)
             slots = torch.stack(slots)
             out = torch.empty(W, T, H, device=dev, dtype=torch.bfloat16)
-            fn = lambda: tp_combine_all_reduce(b, eys, slots, wr, out=out,  # noqa: E731
-                                               timeout_s=a.timeout, check=False)
-            tp_combine_all_reduce(b, eys, slots, wr, timeout_s=a.timeout)
-            g, hst = gpu_us(fn, n), host_us(fn, n)
-            b.check_errors(f"tp combine+allreduce W={W} T={T}")
-            nbytes = W * (W - 1) * T * row_bytes
-            rows.append(dict(W=W, T=T, op="tp combine+allreduce", mode="decode", gpu_us=g,
-                             host_us=hst, bytes=nbytes, gbps=nbytes / g / 1e3))
-            print(f"  W={W} T={T} tp combine+AR     decode   gpu {g:9.1f} us  host {hst:8.1f} us",
-                  flush=True)
+            for algo in ("oneshot", "twoshot"):
+                fn = lambda: tp_combine_all_reduce(b, eys, slots, wr, algo=algo,  # noqa: E731
+                                                   out=out, timeout_s=a.timeout, check=False)
+                tp_combine_all_reduce(b, eys, slots, wr, algo=algo, timeout_s=a.timeout)
+                g, hst = gpu_us(fn, n), host_us(fn, n)
+                b.check_errors(f"tp combine+{algo} W={W} T={T}")
+                nbytes = (W * (W - 1) if algo == "oneshot" else 2 * (W - 1)) * T * row_bytes
+                rows.append(dict(W=W, T=T, op=f"tp combine+{algo}", mode="decode", gpu_us=g,
+                                 host_us=hst, bytes=nbytes, gbps=nbytes / g / 1e3))
+                print(f"  W={W} T={T} tp combine+{algo:<7} gpu {g:9.1f} us  host {hst:8.1f} us",
+                      flush=True)
     del vr, b
     torch.cuda.empty_cache()
 

@@ -204,7 +204,8 @@ class MoELayer(nn.Module):
         """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""
         topk_ids, topk_weights = self.router(x)
         result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False)
-        expert_y = self.experts(result.expert_x, result.expert_offsets, result.expected_rows)
+        hint = {} if result.expected_rows is None else {"expected_rows": result.expected_rows}
+        expert_y = self.experts(result.expert_x, result.expert_offsets, **hint)
         y = self.topology.combine(expert_y, result)
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)

@@ -104,6 +104,7 @@ def test_nvls_ptx_has_multimem(arch):
     assert re.search(r"\.target\s+" + arch, ptx)
     missing = [p for p in nv.PTX_EXPECTED if not re.search(p, ptx)]
     assert not missing, f"multimem instructions missing from the NVLS PTX: {missing}"
+    assert not re.search(TIMER, ptx), "the NVLS kernel reads a timer"
 
 
 def test_nvls_refused_when_disabled(monkeypatch):

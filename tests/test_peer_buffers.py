@@ -46,13 +46,28 @@ def test_token_limit_names_the_limit():
         b.check_tokens([1])
 
 
-def test_epochs_grow_and_wrap():
+def test_epochs_grow_then_restart_with_flags_zeroed_and_data_kept():
+    """Epochs never wrap (a wrap-safe >= would take a flag written 2^31 epochs earlier for a
+    current one): past EPOCH_LIMIT both counters restart at 1 and every epoch field is zeroed,
+    while data fields (an all-reduce input already written) are kept."""
     b = bufs()
     assert [b.next_epoch() for _ in range(3)] == [1, 2, 3]
-    b.epoch = 0x7FFFFFFF
-    assert b.next_epoch() == 1  # never 0 (the flags' initial value)
-    first = b.take_sig_epochs(3)
-    assert first == 1 and b.take_sig_epochs(2) == 4
+    assert b.take_sig_epochs(3) == 1 and b.take_sig_epochs(2) == 4
+    b.epoch, b.sig_epoch = pb.EPOCH_LIMIT - 1, pb.EPOCH_LIMIT - 3
+    for r in range(b.n_local):
+        for f in pb.EPOCH_FIELDS:
+            b.view(f, r).fill_(pb.EPOCH_LIMIT - 1)
+        b.view(pb.F_AR_IN, r).fill_(7)
+    assert b.next_epoch() == pb.EPOCH_LIMIT  # the limit itself is still used
+    assert b.take_sig_epochs(3) == pb.EPOCH_LIMIT - 2
+    assert all(b.view(f, r).eq(pb.EPOCH_LIMIT - 1).all() for f in pb.EPOCH_FIELDS
+               for r in range(b.n_local)), "zeroed before the limit"
+    assert b.next_epoch() == 1 and b.sig_epoch == 0
+    assert all(b.view(f, r).eq(0).all() for f in pb.EPOCH_FIELDS for r in range(b.n_local))
+    assert all(b.view(pb.F_AR_IN, r).eq(7).all() for r in range(b.n_local)), "data zeroed"
+    assert b.take_sig_epochs(2) == 1
+    b.sig_epoch = pb.EPOCH_LIMIT - 1
+    assert b.take_sig_epochs(2) == 1 and b.epoch == 0  # a barrier restart restarts both
 
 
 def test_error_words_raise_naming_rank_phase_peer_then_reset():
@@ -146,7 +161,7 @@ def test_host_paths_pass_the_compiled_signatures(recorded):
     h = ep_dispatch(b, x, ids, tokens, mode="prefill")
     assert [c[1][0] for c in recorded] == list(PREFILL_PHASES)
     _, key, args = recorded[-1]
-    assert args[0] is b.table and args[1:5] == (1, b.spec.stage_rows, 0, -1) and args[5] == 4 * 10**7
+    assert args[0] is b.table and args[1:] == (1, b.spec.stage_rows, 0, -1, 4 * 10**7)
     assert key[-1] == "bfloat16" and key[6] == 4 * 132 // 4  # cpr for split launches
     tab = b.table
     starts = [0, 3, 3, 19]

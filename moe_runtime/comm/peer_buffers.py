@@ -28,9 +28,11 @@ tokens on any rank raises ValueError naming the limit before anything is launche
 expert-major output W * S + E_local * (align - 1) rows (every token of every rank may pick
 this rank).
 
-Flags never go stale: every flag is written with the call's epoch (1, 2, 3, ... wrapping in
-int32) and waited on with a wrap-safe `>=`, so consecutive calls reuse buffers without a
-memset. Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device waits
+Flags never go stale: every flag is written with the call's epoch (1, 2, 3, ...) and waited on
+with `>=`, so consecutive calls reuse buffers without a memset. Epochs never wrap: before a
+counter would pass EPOCH_LIMIT, every rank restarts both counters together and zeroes the
+epoch-carrying fields (EPOCH_FIELDS; `restart_epochs`, once per ~1e9 calls). A flag that a
+rare call last wrote 2^31 epochs earlier would otherwise look current to a wrap-safe compare. Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device waits
 that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase; an
 index that would fall outside its buffer (topk_ids outside [0, E), token_slot past expert_y, a
 corrupt count or row from a peer) is refused, recorded the same way, and raised as
@@ -87,6 +89,8 @@ FIELD_NAMES = ("recv_x", "recv_meta", "inbox_cnt", "inbox_flag", "chunk_flag", "
                "ret_flag", "ar_in", "ar_mid", "sig", "cnt", "stage", "inv", "nsend", "pos",
                "nrecv", "xout", "offs", "bar", "err")
 PEER_FIELDS = frozenset(range(F_RECV_X, F_SIG + 1))
+EPOCH_FIELDS = (F_INBOX_FLAG, F_CHUNK_FLAG, F_ACK, F_RET_FLAG, F_SIG)  # hold epochs, not data
+EPOCH_LIMIT = 1 << 30  # epochs (dispatch and barrier) stay in [0, EPOCH_LIMIT]: int32 `>=` exact
 
 MAX_CTAS_PER_RANK = 1024   # rows of the signal pad: the most CTAs per rank a barrier kernel may use
 HEAP_ALIGN = 256
@@ -417,18 +421,39 @@ class PeerBuffers:
             raise RuntimeError(f"peer buffers unusable after an error ({self.broken}); call reset()")
 
     def next_epoch(self) -> int:
-        """Epoch of the next dispatch/combine pair: 1, 2, ... wrapping inside int32 (never 0)."""
-        self.epoch = self.epoch % 0x7FFFFFFF + 1
+        """Epoch of the next dispatch/combine pair: 1, 2, ..., EPOCH_LIMIT, then (after
+        restart_epochs) 1 again."""
+        if self.epoch + 1 > EPOCH_LIMIT:
+            self.restart_epochs()
+        self.epoch += 1
         return self.epoch
 
     def take_sig_epochs(self, n: int) -> int:
-        """Reserve n consecutive barrier epochs; returns the first (wrap-safe on the device)."""
-        first = self.sig_epoch + 1
+        """Reserve n consecutive barrier epochs (all <= EPOCH_LIMIT); returns the first."""
+        if self.sig_epoch + n > EPOCH_LIMIT:
+            self.restart_epochs()
         self.sig_epoch += n
-        if self.sig_epoch >= 0x7FFFFFF0:  # keep the int32 kernel argument in range
-            self.sig_epoch -= 0x7FFFFFF0
-            first = self.sig_epoch - n + 1
-        return ((first + 0x80000000) % 0x100000000) - 0x80000000
+        return self.sig_epoch - n + 1
+
+    def restart_epochs(self) -> None:
+        """Both epoch counters back to 0 with EPOCH_FIELDS zeroed on every rank; data fields
+        (e.g. all-reduce inputs already written) are kept. Every rank calls it at the same call
+        (the counters advance identically everywhere). Host-synchronous, two bounded gathers:
+        no rank zeroes before every rank's kernels are done, none writes a flag before every
+        owner zeroed."""
+        steps = ("peer buffers: epoch restart (quiesce)", "peer buffers: epoch restart (zeroed)")
+        for i, step in enumerate(steps):
+            if i:
+                for r in range(self.n_local):
+                    for f in EPOCH_FIELDS:
+                        self.view(f, r).zero_()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if self.group is not None:
+                with _on_device(self.device):
+                    all_gather_object(None, group=self.group, step=step)
+        self.epoch = 0
+        self.sig_epoch = 0
 
     def errors(self, also: Sequence[torch.Tensor] = ()) -> tuple[list[dict], list[int]]:
         """Error words of the local ranks, and the values of the int32 scalar tensors `also`

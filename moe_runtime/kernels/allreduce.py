@@ -167,7 +167,12 @@ def allreduce_entry(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, ski
 def compile_allreduce(algo: int, hidden: int, top_k: int, world: int, cpr: int, n_local: int,
                       dtype: str, arch: str | None = None):
     """Compiled TVM-FFI launch of algo ONESHOT or TWOSHOT, optionally | COMBINE. Call:
-    f(table, T, epoch, rank0, skip_rank, max_spins) (output and combine inputs in F_ARG_* rows)."""
+    f(table, T, epoch, rank0, skip_rank, max_spins) (output and combine inputs in F_ARG_* rows).
+
+    Raises:
+        ValueError: algo is not ONESHOT or TWOSHOT (| COMBINE)."""
+    if algo & ~COMBINE not in (ONESHOT, TWOSHOT):
+        raise ValueError(f"algo must be ONESHOT or TWOSHOT, optionally | COMBINE; got {algo}")
     return compile_tvm(
         allreduce_entry, fake_rows(Int64, world, pb.NUM_FIELDS), Int32(1), Int32(1), Int32(0),
         Int32(-1), Int32(1), fake_stream(), algo, hidden, top_k, world, cpr, n_local,

@@ -242,7 +242,8 @@ POLL_NS = 250
 def wait_bounds(timeout_s: float, max_spins: int | None) -> int:
     """The max_spins kernel argument: the poll count of every device wait. Default: timeout_s
     at one poll per POLL_NS (a wait lasts about timeout_s * measured poll / POLL_NS: ~1.5x on
-    the H200), capped at MAX_SPINS (~400 s of polls there). Device code reads no timer (see
+    the H200), capped at MAX_SPINS polls (~270 s nominal, ~400 s there): a longer timeout_s
+    is accepted but waits no longer than that. Device code reads no timer (see
     sync/grid_barrier.py), so this count is the bound.
 
     Raises:

@@ -7,14 +7,15 @@ CUTEDSL.md recipe 5). Each block waits until bit 31 differs from the `old` value
 returned, so there is no ABA problem and no epoch to pass in: the word is its own generation
 counter.
 
-The wait is bounded by `max_iters` polls (each a nanosleep back-off plus a strong load; the
-host converts a timeout to polls, kernels/peer_sync.wait_bounds). No timer is read: on the lent
-H200 (driver 580.159) a %globaltimer or %clock64 read in these wait loops made one-launch
-multi-phase kernels fail with "illegal memory access" at valid addresses (the fused decode
-combines of kernels/ep_combine.py and kernels/allreduce.py at 2/4/8 virtual ranks, whatever the
-poll's scope, ordering, sleep or polling lanes; a core dump put it on the first poll after the
-timer read); without any timer read the same kernels pass. %globaltimer bounds also overshot
-50 ms -> 3 s there (CUTEDSL.md §16 r9).
+The wait is bounded by `max_iters` polls (a strong load each, after a nanosleep back-off when
+SLEEP_NS > 0; kernels/peer_sync.wait_bounds converts the multi-rank timeouts). No timer is read:
+on the lent H200 (driver 580.159) a %globaltimer or %clock64 read in these wait loops made
+one-launch multi-phase kernels fail with "illegal memory access" at valid addresses (the fused
+decode combines of kernels/ep_combine.py and kernels/allreduce.py at 2/4/8 virtual ranks,
+whatever the poll's scope, ordering, sleep or polling lanes; a core dump put it on the first
+poll after the timer read); without any timer read the same kernels pass. %globaltimer bounds
+also overshot 50 ms -> 3 s there (CUTEDSL.md §16 r9).
+
 On timeout the block records `site` in the error words (mapped host memory, see
 `moe_runtime.sync.host.ErrorFlags`) and returns ok = 0; callers skip the work that depended on
 the barrier. After a timeout the barrier word is inconsistent: the host resets it together

@@ -39,7 +39,8 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         backend: "reference", "cute" or "auto" (local: see kernels.resolve_backend; the
             multi-rank topologies: see distributed.resolve_group_backend).
         timeout_s: per-collective bound for the multi-rank topologies (None = group timeout);
-            the cute backends bound each device-side wait with it.
+            the cute backends turn it into each device-side wait's poll count
+            (kernels.peer_sync.wait_bounds: ~1.5x timeout_s on the H200, grid barriers 2x).
         max_tokens_per_rank, transport: peer buffer sizing and transport of the cute backends
             of "tp" and "dp_nvlink" (distributed.PeerBufferTopology; None = its default,
             max_tokens_per_rank 1024). dp_nvlink's cute dispatch is the one-launch decode

@@ -132,7 +132,8 @@ class GroupTopology(Topology):
         backend: "reference", "cute" or "auto" (resolve_group_backend; `backend` holds the
             result, "auto" until a PeerBufferTopology's first CUDA call settles it).
         timeout_s: bound on each collective call; None = the group's own timeout. The cute
-            backend bounds each device-side wait with it (None = the kernels' default, 10 s).
+            backend turns it into each device-side wait's poll count (kernels.peer_sync.
+            wait_bounds: ~1.5x timeout_s on the H200; None = the kernels' default, 10 s).
 
     Raises:
         ValueError: unknown backend; "cute" without CUDA or CuTeDSL; num_experts % world_size

@@ -151,6 +151,57 @@ def test_withheld_rank_times_out_naming_rank_and_phase(vr):
     vr.bufs.reset()
 
 
+def test_withheld_rank_in_the_one_launch_combines(vr):
+    """The decode combine (SEND + REDUCE in one launch) and the fused tp combine + all-reduce
+    with one virtual rank withheld: the others raise PeerTimeoutError naming that rank and the
+    phase, within the bounded waits; reset() makes the buffers usable again."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    xs, ids, ws = inputs([8] * vr.W, gen)
+    gone, El = vr.W - 1, vr.spec.num_local_experts
+    h = vr.dispatch(xs, ids, mode="decode", timeout_s=TIMEOUT_S)
+    t0 = time.time()
+    with pytest.raises(pb.PeerTimeoutError) as ei:
+        vr.combine(h, h.expert_x, ws, timeout_s=1.0, max_spins=200_000, skip_rank=gone)
+    assert time.time() - t0 < 60, "the bounded waits took far too long"
+    errs = ei.value.errors
+    assert errs and all(e["phase"] == 6 and e["peer"] == gone and e["rank"] != gone for e in errs)
+    assert "combine: waiting for returned expert rows" in str(ei.value)
+    vr.bufs.reset()
+    ex, _o, slot = zip(*[reference.dispatch(xs[0], ids[0], expert_start=r * El,
+                                            num_local_experts=El) for r in range(vr.W)])
+    for algo in ("oneshot", "twoshot"):
+        with pytest.raises(pb.PeerTimeoutError, match=f"all-reduce.*waiting for rank {gone}"):
+            vr.tp_combine_all_reduce(list(ex), torch.stack(slot), ws[0], algo=algo,
+                                     timeout_s=1.0, max_spins=200_000, skip_rank=gone)
+        vr.bufs.reset()
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_tp_combine_all_reduce_ragged_slices(W):
+    """H = 40: 5 vectors per row, so n = 5 T vectors leave ragged two-shot slices (n % W != 0,
+    per * W > n, n < W at T = 1): each vector must still be combined by the CTA index that reads
+    it first. Outputs poisoned with NaN."""
+    Hs = 40
+    v = VirtualRanks(W, 8, Hs, K, E, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(31 + W)
+    El, scale = v.spec.num_local_experts, expert_scale(E, "cuda")
+    for T in (1, 2, 3, 8):
+        x = torch.randn(T, Hs, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ids, w = routing(T, gen)
+        eys, slots, ref = [], [], torch.zeros(T, Hs, device="cuda")
+        for r in range(W):
+            ex, offs, slot = reference.dispatch(x, ids, expert_start=r * El, num_local_experts=El)
+            eys.append(apply_test_experts(ex, offs, r * El, scale))
+            slots.append(slot)
+            ref += reference.combine(eys[-1], slot, w).float()
+        for algo in ("oneshot", "twoshot"):
+            out = torch.full((W, T, Hs), float("nan"), device="cuda", dtype=torch.bfloat16)
+            v.tp_combine_all_reduce(eys, torch.stack(slots), w, algo=algo, out=out,
+                                    timeout_s=TIMEOUT_S)
+            for r in range(W):
+                close(out[r], ref, f"tp combine + {algo} H={Hs} W={W} T={T} rank {r}")
+
+
 @pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
 def test_all_reduce_matches_torch_sum(vr, algo):
     gen = torch.Generator(device="cuda").manual_seed(3)
