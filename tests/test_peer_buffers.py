@@ -301,6 +301,22 @@ def w_from_process_group(rank, world, symm_ok):
     return out
 
 
+def w_epoch_restart(rank, world):
+    """Two real ranks at the epoch limit: both restart together (two bounded gathers), each
+    zeroing its own epoch fields."""
+    b = pb.PeerBuffers.from_process_group(pb.PeerSpec(world, 4, 256, 2, 4), device="cpu",
+                                          transport="ipc")
+    b.epoch = pb.EPOCH_LIMIT
+    b.view(pb.F_SIG).fill_(5)
+    b.view(pb.F_AR_IN).fill_(3)
+    return (b.next_epoch(), int(b.view(pb.F_SIG).abs().sum()), bool(b.view(pb.F_AR_IN).eq(3).all()))
+
+
+def test_epoch_restart_on_real_ranks():
+    from _dist import run_distributed
+    assert run_distributed(w_epoch_restart, 2, timeout_s=120) == [(1, 0, True)] * 2
+
+
 @pytest.mark.parametrize("symm_ok", [(True, False), (True, True)])
 def test_auto_transport_is_the_same_on_every_rank(symm_ok):
     """transport "auto": symm_mem failing on one rank only sends EVERY rank to CUDA IPC (the
