@@ -28,10 +28,14 @@ Differences from the HF module, by design:
     * state_dict keys follow MoELayer (`mlp.router.weight`, `mlp.shared_expert.gate.weight`, ...),
       not HF's (`mlp.gate.weight`, `mlp.shared_expert_gate.weight`): save checkpoints before the swap.
     * `output_router_logits=True`: HF records router logits with forward hooks on its router
-      classes, which the swapped model no longer contains; each replacement's router therefore has
-      a forward pre-hook that recomputes its logits [T, E] (Router.logits, HF's dtype) and appends
-      them to transformers' active output collector (a private transformers 5.x API; without it
-      the hook is not installed). The cost is one extra router GEMM, only on calls that ask for them.
+      classes, which the swapped model no longer contains; each replacement therefore has a
+      forward pre-hook that recomputes its router logits [T, E] (Router.logits, HF's dtype) and
+      appends them to transformers' active output collector (a private transformers 5.x API;
+      without it the hook is not installed). The hook sits on the MoELayer itself, outside its
+      CUDA graphs (`enable_cuda_graphs`), so the logits come from the real rows on every call and
+      the replays stay on. The cost is one extra router GEMM, only on calls that ask for them.
+    * A shared expert of width 0 (DeepSeek-V3 `n_shared_experts=0`: HF keeps an empty MLP that
+      adds zeros) becomes no shared expert.
 """
 from __future__ import annotations
 
@@ -171,7 +175,7 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         raise ValueError(f"{where}: experts must be SiLU-gated, fused [gate; up], untransposed and "
                          f"bias-free; got act_fn {type(experts.act_fn).__name__}, {odd}")
     E, H = router.weight.shape
-    shared_size = 0
+    shared_size = 0  # also 0 for an empty HF shared MLP (DeepSeek-V3 n_shared_experts=0)
     if fam.shared is not None:
         mlp = getattr(block, fam.shared)
         if not _is_silu(mlp.act_fn) or any(getattr(mlp, n).bias is not None for n in _MLP_NAMES):
@@ -185,7 +189,7 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         n_group=router.num_group if sigmoid else 1, topk_group=router.topk_group if sigmoid else 1,
         routed_scaling_factor=float(router.routed_scaling_factor) if sigmoid else 1.0,
         use_correction_bias=getattr(router, "e_score_correction_bias", None) is not None,
-        shared_expert_intermediate_size=shared_size, shared_expert_gate=fam.shared_gate is not None,
+        shared_expert_intermediate_size=shared_size, shared_expert_gate=fam.shared_gate is not None and shared_size > 0,
         router_logits_fp32=fam.router_logits_fp32, dtype=experts.gate_up_proj.dtype)
 
 
@@ -198,18 +202,18 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     if cfg.use_correction_bias:
         layer.router.e_score_correction_bias = block.gate.e_score_correction_bias
     layer.load_expert_weights(block.experts.gate_up_proj, block.experts.down_proj)
-    if fam.shared is not None:
+    if layer.shared_expert is not None:
         mlp = getattr(block, fam.shared)
         for name in _MLP_NAMES:
             getattr(layer.shared_expert, name).weight = getattr(mlp, name).weight
-        if fam.shared_gate is not None:
+        if cfg.shared_expert_gate:
             layer.shared_expert.gate.weight = getattr(block, fam.shared_gate).weight
     left = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
     if left:  # every tensor must come from the HF block
         raise RuntimeError(f"{fam.name}: no HF tensor for {left}")
     layer.train(block.training)
     if _output_collector() is not None:
-        layer.router.register_forward_pre_hook(_record_router_logits)
+        layer.register_forward_pre_hook(_record_router_logits, with_kwargs=True)
     return layer
 
 
@@ -222,8 +226,11 @@ def _output_collector():
     return _active_collector
 
 
-def _record_router_logits(router: nn.Module, args: tuple) -> None:
-    """Forward pre-hook: append router logits [T, E] where the model records "router_logits"."""
+def _record_router_logits(layer: MoELayer, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the layer: append its router logits [T, E] where the model records
+    "router_logits". On the layer, not its router, so that it runs on every call with the real
+    rows even when the layer replays a CUDA graph (hooks on a submodule disable the replays)."""
     collected = _output_collector().get()
     if collected is not None and "router_logits" in collected:
-        collected["router_logits"].append(router.logits(args[0]))
+        x = args[0] if args else kwargs["hidden_states"]
+        collected["router_logits"].append(layer.router.logits(x.reshape(-1, x.shape[-1])))

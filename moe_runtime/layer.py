@@ -124,8 +124,10 @@ class MoELayer(nn.Module):
         """Replay CUDA graphs for calls of 1..max(buckets) tokens (padded up to a bucket).
 
         Graph replay is used only where it cannot differ from eager: under `torch.no_grad()` /
-        `torch.inference_mode()`, outside another stream capture, on the layer's device, and for
-        token counts within the buckets; everything else runs eagerly. Graphs are recaptured
+        `torch.inference_mode()`, outside another stream capture, on the layer's device, for
+        token counts within the buckets, and while no forward hook or pre-hook is registered on
+        a submodule or globally (a replay runs no Python; hooks on the layer itself are fine);
+        everything else runs eagerly. Graphs are recaptured
         after the weights move (`load_expert_weights`, a replaced parameter, `.to()`); in-place
         weight updates are seen by the replays as they are.
 
@@ -180,8 +182,17 @@ class MoELayer(nn.Module):
     def _use_graphs(self, x: torch.Tensor) -> bool:
         g = self.cuda_graphs
         return (g is not None and not torch.is_grad_enabled() and x.device == g.device
-                and g.bucket_for(x.shape[0]) is not None
+                and g.bucket_for(x.shape[0]) is not None and not self._inner_hooks()
                 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+    def _inner_hooks(self) -> bool:
+        """Whether a forward hook or pre-hook would run inside forward (registered globally or on
+        a submodule: router, experts, shared expert): a replay would skip it and a capture would
+        run it on padding rows, so such calls run eagerly. Hooks on the layer itself run outside
+        the graphs and do not count."""
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

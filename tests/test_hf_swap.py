@@ -418,3 +418,38 @@ def test_deepseek_router_weight_kept_in_fp32_in_a_bf16_model():
         swap_moe_layers(model, backend="reference")
         out = model(ids).logits.float()
     assert (out - ref).abs().max() / ref.abs().max() < 2e-2
+
+
+def test_deepseek_v3_without_shared_experts():
+    """n_shared_experts=0: HF keeps an empty shared MLP (adds zeros); the swap has none."""
+    model = tiny_model("deepseek_v3", True, n_shared_experts=0)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(ids).logits
+        swap_moe_layers(model)
+        out = model(ids).logits
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2 and all(m.shared_expert is None for m in layers)
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_router_logits_with_cuda_graphs_match_eager_on_every_call():
+    """output_router_logits=True on a swapped model whose layers replay (stand-in) CUDA graphs:
+    the logits come from the real rows on every call, the same as eager, and the graphs run."""
+    from test_layer_graphs_cpu import address_bound_capture
+    model = tiny_model("qwen2_moe", True)
+    ids = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(7))
+    kw = dict(labels=ids, output_router_logits=True)
+    with torch.no_grad():
+        swap_moe_layers(model)
+        ref = model(ids, **kw)
+        log = []
+        for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+            layer.enable_cuda_graphs(capture_fn=address_bound_capture(layer, log))
+        outs = [model(ids, **kw) for _ in range(2)]
+    assert log == [8, 8]  # T = 6 rows -> bucket 8, captured once per layer, replayed after
+    for out in outs:
+        assert len(out.router_logits) == 2
+        for a, b in zip(out.router_logits, ref.router_logits):
+            assert a.shape == b.shape == (6, 8) and rel_err(a, b) <= 1e-6
+        assert rel_err(out.aux_loss, ref.aux_loss) <= 1e-5 and rel_err(out.logits, ref.logits) <= 1e-5

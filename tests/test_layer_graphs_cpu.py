@@ -148,6 +148,42 @@ def test_nd_input_and_copy_output():
         assert not torch.equal(y2, y1_saved)      # a view of the static output, overwritten
 
 
+@pytest.mark.parametrize("where", ["router", "experts", "shared_expert", "global"])
+@pytest.mark.parametrize("kind", ["forward", "pre"])
+def test_hooks_inside_the_layer_run_eagerly_on_the_real_rows(where, kind):
+    """A replay runs no Python hooks and a capture would run them on padding rows: while a hook
+    that fires inside forward exists, calls run eagerly; hooks on the layer itself keep graphs."""
+    layer = make_layer("sigmoid_groups_shared")
+    log, seen = [], []
+    layer.enable_cuda_graphs(capture_fn=address_bound_capture(layer, log))
+    outer = layer.register_forward_pre_hook(lambda m, args: None)
+    target = layer.router if where == "global" else getattr(layer, where)
+
+    def hook(m, args, out=None):
+        if m is target:
+            seen.append(args[0].clone())
+    if where == "global":
+        register = (torch.nn.modules.module.register_module_forward_hook if kind == "forward"
+                    else torch.nn.modules.module.register_module_forward_pre_hook)
+        handle = register(hook)
+    else:
+        handle = (target.register_forward_hook(hook) if kind == "forward"
+                  else target.register_forward_pre_hook(hook))
+    xs = [torch.randn(3, 32) for _ in range(2)]
+    with torch.no_grad():
+        try:
+            for x in xs:
+                close(layer(x), eager(layer, x))
+        finally:
+            handle.remove()
+        assert log == [] and len(seen) == 4       # once per call (eager() calls it too)
+        if where != "experts":                    # (the experts see the dispatched rows)
+            assert all(torch.equal(s, xs[i // 2]) for i, s in enumerate(seen))
+        close(layer(xs[0]), eager(layer, xs[0]))
+    assert log == [4]                             # hook gone: graphs again (the layer's own stays)
+    outer.remove()
+
+
 # --- invalidation ----------------------------------------------------------------------------------
 
 def test_weight_swap_recaptures():
