@@ -23,12 +23,14 @@ class MoEConfig:
         moe_intermediate_size: I, the SwiGLU width of one routed expert.
         scoring: "softmax" (Mixtral, Qwen2/3-MoE, OLMoE) or "sigmoid" (DeepSeek-V3).
         norm_topk_prob: renormalize the k selected weights to sum to 1.
-        n_group, topk_group: group-limited top-k (DeepSeek-V3): experts are split into
-            n_group groups, each group scored by the sum of its top-2 scores, and only the
-            best topk_group groups are eligible. n_group=1 disables it.
+        n_group, topk_group: group-limited top-k (DeepSeek-V3, sigmoid scoring only): experts
+            are split into n_group groups, each group scored by the sum of its top-2 scores,
+            and only the best topk_group groups are eligible, which must hold >= top_k experts.
+            n_group=1 disables it.
         routed_scaling_factor: multiplies the final routed weights (DeepSeek-V3: 2.5).
         use_correction_bias: add `e_score_correction_bias` [E] to the scores for the
-            choice of experts only (weights use the unbiased scores), as DeepSeek-V3.
+            choice of experts only (weights use the unbiased scores), as DeepSeek-V3 (sigmoid
+            scoring only).
         shared_expert_intermediate_size: width of the always-on shared expert MLP
             (0 = none). DeepSeek-V3 uses n_shared_experts * moe_intermediate_size.
         shared_expert_gate: Qwen2-MoE's sigmoid gate on the shared expert output.
@@ -38,7 +40,8 @@ class MoEConfig:
 
     Raises:
         TypeError: a size that is not an int.
-        ValueError: on inconsistent sizes (k > E, E % n_group != 0, ...).
+        ValueError: on inconsistent sizes (k > E, E % n_group != 0, k > topk_group * E / n_group,
+            ...) or softmax scoring with n_group > 1 or a correction bias.
     """
 
     hidden_size: int
@@ -86,7 +89,14 @@ class MoEConfig:
                 f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
-        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
-            raise ValueError("topk_group * experts per group must be >= top_k")
+        if self.scoring == "softmax" and (self.n_group > 1 or self.use_correction_bias):
+            raise ValueError(f"scoring='softmax' takes no group-limited top-k or correction bias (got "
+                             f"n_group={self.n_group}, use_correction_bias={self.use_correction_bias}): "
+                             "those are DeepSeek-V3's sigmoid routing")
+        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be <= topk_group ({self.topk_group}) * experts per group "
+                f"(num_experts {self.num_experts} // n_group {self.n_group}): the group-limited "
+                "top-k could not pick top_k distinct experts")
         if self.dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

@@ -83,6 +83,10 @@ def test_layer_bad_input():
     (dict(shared_expert_intermediate_size=-1), ValueError, "shared_expert_intermediate_size"),
     (dict(shared_expert_gate=True), ValueError, "shared_expert_gate needs a shared expert"),
     (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
+    (dict(n_group=2), ValueError, r"scoring='softmax' .* n_group=2, use_correction_bias=False"),
+    (dict(use_correction_bias=True), ValueError, r"scoring='softmax' .* use_correction_bias=True"),
+    (dict(scoring="sigmoid", n_group=4, topk_group=1, top_k=3), ValueError,
+     r"top_k \(3\) must be <= topk_group \(1\) \* experts per group \(num_experts 8 // n_group 4\)"),
 ])
 def test_config_rejects(bad, exc, msg):
     kw = dict(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8)
