@@ -146,6 +146,42 @@ def test_misshaped_expert_error_names_tensor_file_and_shapes(ckpts, tmp_path):
     assert key in msg and path in msg and "[64, 31]" in msg and "[64, 32]" in msg
 
 
+def test_quantized_checkpoints_are_refused(ckpts, tmp_path):
+    """A config with quantization_config, or a tensor stored in another dtype than F32 / BF16 /
+    F16 (FP8, int8), is an error naming it instead of garbage weights."""
+    d = str(tmp_path / "fp8")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump({**cfg, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported .*'fp8'"):
+        load_model(d, progress=False)
+    json.dump(cfg, open(cfg_path, "w"))
+    for key, dtype, name in (("model.layers.1.mlp.experts.3.up_proj.weight", torch.float8_e4m3fn, "F8_E4M3"),
+                             ("model.layers.0.self_attn.q_proj.weight", torch.int8, "I8")):
+        d2 = str(tmp_path / name)
+        shutil.copytree(d, d2)
+        with safe_open(os.path.join(d2, "model.safetensors"), "pt") as f:
+            shape = f.get_slice(key).get_shape()
+        path = _rewrite_tensor(d2, key, torch.zeros(shape).to(dtype))
+        with pytest.raises(CheckpointError) as e:
+            load_model(d2, progress=False)
+        assert f"tensor {key!r} in {path} is stored as {name}" in str(e.value)
+
+
+def test_generation_config_eos_ids_are_stop_ids(ckpts, tmp_path):
+    """generation_config.json's eos_token_id (int or list) adds to config.json's; absent: ignored."""
+    d = str(tmp_path / "gen")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    gen = os.path.join(d, "generation_config.json")
+    json.dump({"eos_token_id": [5, 0, 7]}, open(gen, "w"))
+    assert read_spec(d)[0].eos_token_ids == (0, 5, 7)
+    json.dump({"eos_token_id": 9}, open(gen, "w"))
+    assert read_spec(d)[0].eos_token_ids == (0, 9)
+    os.remove(gen)
+    assert read_spec(d)[0].eos_token_ids == (0,)
+
+
 def _load_rank(rank: int, world_size: int, model_dir: str):
     """Load rank's share under dp_nvlink; ("ok", expert range) or ("error", message)."""
     try:

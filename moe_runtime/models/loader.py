@@ -14,21 +14,23 @@ from __future__ import annotations
 import json
 import os
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Callable, Optional, Union
 
 import torch
 
-from .spec import Architecture, ModelSpec
+from .spec import Architecture, ModelSpec, eos_ids
 from .transformer import MoECausalLM, Parallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STORED_DTYPES = ("F32", "BF16", "F16")  # safetensors' names of the dtypes above
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is unusable: no safetensors, a tensor missing, or a tensor of the wrong shape.
-    The message names the tensor and the file (or the files searched)."""
+    """A checkpoint is unusable: no safetensors, a tensor missing, or a tensor of the wrong shape
+    or stored dtype. The message names the tensor and the file (or the files searched)."""
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config) -> torch.dtype:
@@ -55,9 +57,14 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
               ) -> tuple[ModelSpec, Architecture]:
     """Read config.json with transformers' AutoConfig and build the ModelSpec.
 
+    Its eos_token_ids are config.json's followed by generation_config.json's (when that file
+    exists; HF generate stops on those too, e.g. Qwen3-Instruct's <|endoftext|> and <|im_end|>).
+
     Raises:
         FileNotFoundError: no config.json in model_dir.
-        ValueError: unsupported model_type or dtype.
+        ValueError: unsupported model_type or dtype, or a quantized checkpoint (config.json has
+            a `quantization_config`: FP8, GPTQ, AWQ, ...; only float32/bfloat16/float16 weights
+            are read).
     """
     from transformers import AutoConfig
 
@@ -65,8 +72,18 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF-format checkpoint)")
     cfg = AutoConfig.from_pretrained(model_dir)
+    quant = getattr(cfg, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config, "
+                         f"quant_method {method!r}); use a float32, bfloat16 or float16 checkpoint")
     arch = get_architecture(cfg.model_type)
-    return arch.spec_from_config(cfg, resolve_dtype(dtype, cfg)), arch
+    spec = arch.spec_from_config(cfg, resolve_dtype(dtype, cfg))
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        from transformers import GenerationConfig
+        more = eos_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        spec = replace(spec, eos_token_ids=tuple(dict.fromkeys(spec.eos_token_ids + more)))
+    return spec, arch
 
 
 class CheckpointReader:
@@ -125,8 +142,9 @@ class CheckpointReader:
             a CPU tensor in the checkpoint's dtype (only the slice is read from disk).
 
         Raises:
-            CheckpointError: the tensor is missing (names the files searched) or its shape in
-                the file differs from `shape` (names the tensor and the file).
+            CheckpointError: the tensor is missing (names the files searched), or its shape in
+                the file differs from `shape` or it is stored in a dtype other than F32, BF16,
+                F16 (e.g. FP8 or int quantized weights; names the tensor, the file and the dtype).
         """
         if key not in self.weight_map:
             files = sorted(set(self.weight_map.values()))
@@ -138,6 +156,10 @@ class CheckpointReader:
         if got != tuple(shape):
             raise CheckpointError(f"tensor {key!r} in {os.path.join(self.model_dir, fname)} has "
                                   f"shape {list(got)}, expected {list(shape)}")
+        if sl.get_dtype() not in _STORED_DTYPES:
+            raise CheckpointError(f"tensor {key!r} in {os.path.join(self.model_dir, fname)} is stored "
+                                  f"as {sl.get_dtype()}; only {', '.join(_STORED_DTYPES)} are supported "
+                                  "(quantized weights are not)")
         if start is None:
             return sl[:]
         index = (slice(None),) * dim + (slice(start, stop),)
@@ -226,8 +248,10 @@ def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, d
         MoECausalLM in inference mode (no grads), RoPE buffers initialized.
 
     Raises:
-        CheckpointError: missing tensor or shape mismatch (names the tensor and the file).
-        ValueError: unsupported model_type / dtype, or heads/experts not divisible for the world.
+        CheckpointError: missing tensor, shape mismatch or a stored dtype other than F32 / BF16 /
+            F16 (names the tensor and the file).
+        ValueError: unsupported model_type / dtype, a quantized checkpoint
+            (`quantization_config`), or heads/experts not divisible for the world.
     """
     from tqdm.auto import tqdm
 
