@@ -261,6 +261,15 @@ def test_sampler_greedy_top_p_and_seeds():
         SamplingParams(max_new_tokens=0)
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-20])
+def test_sampler_tiny_temperature_is_greedy(temperature):
+    """logits / T overflows to +-inf for a tiny T (nan probabilities): shifted, it is greedy."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [-2.0, -50.0, 40.0, 39.5], [7.0, -7.0, 0.0, 6.0]])
+    p = SamplingParams(temperature=temperature, top_p=0.9)
+    gens = request_generators(0, [0, 1, 2])
+    assert all(sample(logits, p, gens).tolist() == [1, 2, 0] for _ in range(10))
+
+
 def test_assign_requests_balances_prompt_tokens():
     assert assign_requests([5, 1, 1], 2, data_parallel=False) == [[0, 1, 2], [0, 1, 2]]
     assert assign_requests([5, 1, 1, 4], 2, data_parallel=True) == [[0, 2], [1, 3]]  # loads 6, 5

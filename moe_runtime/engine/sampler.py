@@ -67,7 +67,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
     logits = logits.float().cpu()
     if params.temperature == 0 or logits.shape[0] == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # shifted so that the largest is 0: a tiny temperature sends the others to -inf (greedy)
+    # instead of overflowing every logit to +-inf (nan probabilities)
+    shifted = logits - logits.max(-1, keepdim=True).values
+    probs = torch.softmax(shifted / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p          # mass of the more likely tokens
