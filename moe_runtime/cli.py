@@ -45,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None,
                    help='join this Ray cluster ("auto" or host:port); default: start Ray embedded')
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: GPU ranks when the Ray cluster has any GPU, else CPU ranks")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     p.add_argument("--timeout", type=float, default=300.0, help="bound on each phase, seconds")
     p.add_argument("--no-progress", action="store_true", help="no loading progress bars")

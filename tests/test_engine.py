@@ -267,3 +267,26 @@ def test_indivisible_world_size_and_bad_timeout_fail_before_ray_starts(ckpt):
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         Engine(ckpt, world_size=1, topology="local", timeout_s=0)
     assert ray.is_initialized() == started
+
+
+@pytest.mark.parametrize("gpus,device,embedded,want", [
+    (0, "auto", False, "cpu"), (0, "auto", True, "cpu"), (0, "cpu", False, "cpu"),
+    (16, "auto", False, "cuda"), (8, "auto", False, "cuda"), (1, "cuda", False, "cuda"),
+    (8, "cpu", False, "cpu"), (8, "auto", True, ValueError), (8, "cuda", True, ValueError),
+    (16, "cuda", True, "cuda")])
+def test_device_choice_from_cluster_gpus(gpus, device, embedded, want, caplog):
+    """auto: CPU ranks only on a cluster without GPUs; fewer GPUs than ranks on a joined cluster
+    still asks for GPU bundles (an autoscaler may add nodes) with a warning; embedded: an error."""
+    from types import SimpleNamespace
+    fake_ray = SimpleNamespace(is_initialized=lambda: True,
+                               cluster_resources=lambda: {"CPU": 64.0, "GPU": float(gpus)})
+    eng = Engine.__new__(Engine)
+    eng.world_size, eng.timeout_s, eng._started_ray = 16, 30.0, embedded
+    if want is ValueError:
+        with pytest.raises(ValueError, match=f"16 GPU ranks need 16 GPUs, this machine has {gpus}"):
+            eng._init_ray(fake_ray, None, device, {})
+        return
+    with caplog.at_level(logging.WARNING, logger="moe_runtime"):
+        eng._init_ray(fake_ray, None, device, {})
+    assert eng.device == want
+    assert ("requesting the GPU bundles anyway" in caplog.text) == (want == "cuda" and gpus < 16)

@@ -103,7 +103,10 @@ class Engine:
         attention: for "auto": "dp" (data-parallel attention + EP, the default) or "tp".
         ray_address: join this Ray cluster ("auto" or host:port); None = the Ray already
             initialized in this process, else start one embedded here (stopped by shutdown()).
-        device: "auto" (GPU ranks when the cluster has world_size GPUs, else CPU), "cpu", "cuda".
+        device: "auto" (GPU ranks when the cluster has any GPU, CPU ranks when it has none),
+            "cpu", "cuda". GPU ranks with fewer GPUs than world_size in the cluster: on an
+            embedded Ray (this machine only) a ValueError at once; on a joined cluster a
+            warning, and the placement waits up to timeout_s (an autoscaler may add GPU nodes).
         dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
         backend: kernel backend ("auto", "reference", "cute").
         timeout_s: bound on every phase (placement, rendezvous, collectives, load, generate).
@@ -114,7 +117,8 @@ class Engine:
         FileNotFoundError: model_dir has no config.json.
         RankError: a rank failed while starting or loading (all actors are gone afterwards).
         TimeoutError: the cluster could not place world_size ranks within timeout_s.
-        ValueError: bad arguments, unsupported model_type or dtype.
+        ValueError: bad arguments, unsupported model_type or dtype, or GPU ranks on an embedded
+            Ray with fewer GPUs than world_size.
     """
 
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
@@ -192,9 +196,14 @@ class Engine:
             ray.init(**kw)
             self._started_ray = True
         gpus = ray.cluster_resources().get("GPU", 0)
-        if device == "cuda" and gpus < self.world_size:
-            raise ValueError(f"device 'cuda' needs {self.world_size} GPUs, the cluster has {gpus:g}")
-        use_gpu = device == "cuda" or (device == "auto" and gpus >= self.world_size)
+        use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+        if use_gpu and gpus < self.world_size:
+            if self._started_ray:
+                raise ValueError(f"device {device!r}: {self.world_size} GPU ranks need {self.world_size} "
+                                 f"GPUs, this machine has {gpus:g} (lower --world-size or use --device cpu)")
+            log.warning("moe_runtime: the Ray cluster has %g GPU(s) for %d GPU ranks; requesting the "
+                        "GPU bundles anyway (waiting up to %gs for an autoscaler to add nodes)",
+                        gpus, self.world_size, self.timeout_s)
         self.device = "cuda" if use_gpu else "cpu"
 
     def _start_workers(self) -> None:
