@@ -5,7 +5,8 @@
     moe-runtime demo            # tiny Qwen3-MoE checkpoint (made once, cached), 2 CPU ranks
 
 Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops generation, kills the rank actors and stops
-an embedded Ray: no Ray processes are left behind. Exit codes: 0 ok, 1 error, 2 usage, 130 interrupted.
+an embedded Ray: no Ray processes are left behind. Exit codes: 0 ok, 1 error (a missing
+dependency included: one line with the install command), 2 usage, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -141,8 +142,8 @@ def _stop_ray() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         if args.command == "make-checkpoint":
             from .models.make_checkpoint import make_checkpoint
             make_checkpoint(args.out_dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype,
@@ -159,6 +160,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_generate(path, list(DEMO_PROMPTS), args)
     except KeyboardInterrupt:
         return 130
+    except ImportError as e:  # an install without its dependencies
+        print(f"moe-runtime: error: {e}; install moe_runtime with its dependencies "
+              "(pip install moe_runtime; on GPU nodes pip install 'moe_runtime[gpu]')", file=sys.stderr)
+        return 1
     except (ValueError, OSError, RuntimeError, TimeoutError) as e:
         print(f"moe-runtime: error: {e}", file=sys.stderr)
         return 1

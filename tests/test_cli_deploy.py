@@ -204,3 +204,23 @@ def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
 def test_generate_rejects_world_size_zero(ckpt, capsys):
     assert cli_main(["generate", "--model", str(ckpt), "--prompt", "hi", "--world-size", "0"]) == 1
     assert "world_size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_missing_dependency_is_a_one_line_error_with_the_install_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    assert cli_main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moe-runtime: error: ") and "transformers" in err
+    assert "pip install moe_runtime" in err
+
+
+def test_engine_dependencies_are_core_dependencies():
+    """The engine, loader and CLI import transformers and tokenizers: a plain install (the deploy's
+    moe_runtime[gpu]) must bring them, not only the [test] extra."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    core = {d.split(">")[0].split("=")[0].split("[")[0] for d in project["dependencies"]}
+    assert {"transformers", "tokenizers", "safetensors", "ray"} <= core
+    assert "transformers>=5.0" in project["dependencies"]
