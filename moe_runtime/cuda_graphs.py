@@ -11,7 +11,10 @@ on sm_90/sm_100; see `MoELayer.host_sync_free`):
       padding) cannot change the real rows, and their outputs are dropped;
     * no host synchronization, no data-dependent host branching, and reads its parameters from
       fixed addresses while a graph is alive (in-place updates of the weights are seen by the
-      replays; replacing a weight tensor changes its address and is detected, see below).
+      replays; replacing a weight tensor changes its address and is detected, see below);
+    * no Python work that must happen on every call (e.g. nn.Module forward hooks inside `fn`):
+      a replay runs no Python, and the capture runs it once on the static (padding) rows.
+      MoELayer therefore runs calls eagerly while such hooks exist (`MoELayer._inner_hooks`).
 
 All buckets share one memory pool (intermediates of one bucket's graph reuse another's; capture
 all at once with `capture()` to capture from the largest bucket down, which is what lets them
