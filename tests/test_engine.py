@@ -290,3 +290,16 @@ def test_device_choice_from_cluster_gpus(gpus, device, embedded, want, caplog):
         eng._init_ray(fake_ray, None, device, {})
     assert eng.device == want
     assert ("requesting the GPU bundles anyway" in caplog.text) == (want == "cuda" and gpus < 16)
+
+
+def test_embedded_ray_is_a_new_local_instance():
+    """ray_address=None starts Ray with address="local": a cluster already running on this
+    machine (`ray start --head`) must not be joined with num_cpus/num_gpus (Ray refuses that)."""
+    from types import SimpleNamespace
+    calls = []
+    fake_ray = SimpleNamespace(is_initialized=lambda: bool(calls), init=lambda **kw: calls.append(kw),
+                               cluster_resources=lambda: {"CPU": 4.0})
+    eng = Engine.__new__(Engine)
+    eng.world_size, eng.timeout_s, eng._started_ray = 2, 30.0, False
+    eng._init_ray(fake_ray, None, "cpu", {})
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 2 and eng._started_ray

@@ -102,7 +102,8 @@ class Engine:
         topology: "auto", "local", "tp", "dp_nvlink" or "dp_p2p".
         attention: for "auto": "dp" (data-parallel attention + EP, the default) or "tp".
         ray_address: join this Ray cluster ("auto" or host:port); None = the Ray already
-            initialized in this process, else start one embedded here (stopped by shutdown()).
+            initialized in this process, else start a new one embedded here (even when a local
+            cluster already runs on this machine; stopped by shutdown()).
         device: "auto" (GPU ranks when the cluster has any GPU, CPU ranks when it has none),
             "cpu", "cuda". GPU ranks with fewer GPUs than world_size in the cluster: on an
             embedded Ray (this machine only) a ValueError at once; on a joined cluster a
@@ -185,8 +186,11 @@ class Engine:
             if not ray.is_initialized():
                 ray.init(address=address, **extra)
         elif not ray.is_initialized():
-            kw = dict(include_dashboard=False, object_store_memory=128 * 1024 ** 2,
-                      logging_level=logging.WARNING)
+            # address "local": a new Ray of our own even when a local cluster runs here (`ray
+            # start --head`, or a stale /tmp/ray/ray_current_cluster); without it ray.init joins
+            # that cluster and refuses num_cpus/num_gpus. Pass ray_address="auto" to join it.
+            kw = dict(address="local", include_dashboard=False,
+                      object_store_memory=128 * 1024 ** 2, logging_level=logging.WARNING)
             if device != "cuda":
                 import torch
                 if device == "cpu" or not torch.cuda.is_available():
