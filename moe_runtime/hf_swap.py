@@ -36,6 +36,11 @@ Differences from the HF module, by design:
       the replays stay on. The cost is one extra router GEMM, only on calls that ask for them.
     * A shared expert of width 0 (DeepSeek-V3 `n_shared_experts=0`: HF keeps an empty MLP that
       adds zeros) becomes no shared expert.
+    * Exactly tied router scores pick the smaller expert id (the CuTeDSL router's rule, kept by
+      the reference); torch.topk in HF may pick either, so a bf16 model can route a rare tied
+      token differently.
+    * The swapped model keeps its dtype: cast it (`.to(torch.bfloat16)`) BEFORE the swap; a cast
+      after it leaves each MoELayer's config.dtype behind and its forward raises TypeError.
 """
 from __future__ import annotations
 

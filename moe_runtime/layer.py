@@ -199,14 +199,15 @@ class MoELayer(nn.Module):
         c = self.config
         if hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
-        if hidden_states.dtype != c.dtype:
-            raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
         # (a DeepSeek-V3 router may keep its weight in fp32: HF's _keep_in_fp32_modules_strict)
         if self.experts.gate_up_proj.dtype != c.dtype or (
                 not c.router_logits_fp32 and self.router.weight.dtype != c.dtype):
             raise TypeError(f"the layer's parameters are {self.experts.gate_up_proj.dtype} but its "
                             f"config.dtype is {c.dtype}: build it with MoEConfig(dtype=...) instead "
-                            f"of casting it with .to(dtype)")
+                            f"of casting it with .to(dtype); for a swapped HF model, cast the "
+                            f"model BEFORE swap_moe_layers")
+        if hidden_states.dtype != c.dtype:
+            raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, c.hidden_size)
         y = self.cuda_graphs(x) if self._use_graphs(x) else self._forward_tokens(x)
         return y.view(hidden_states.shape)

@@ -203,6 +203,17 @@ def test_root_block_and_second_swap():
     assert [m for m in swapped.modules() if isinstance(m, MoELayer)] == layers
 
 
+def test_cast_after_swap_names_the_fix():
+    """A cast after the swap is refused with a message that says to cast before the swap (not
+    that the input has the wrong dtype); a cast before it works."""
+    model = swap_moe_layers(tiny_model("qwen3_moe")).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 4))
+    with pytest.raises(TypeError, match="cast the model BEFORE swap_moe_layers"):
+        model(ids)
+    model = swap_moe_layers(tiny_model("qwen3_moe").to(torch.bfloat16))
+    assert model(ids).logits.dtype == torch.bfloat16
+
+
 # ---- property tests over block configurations --------------------------------------------------
 
 def _init_block(block: nn.Module, seed: int) -> None:
