@@ -77,6 +77,10 @@ class MoEConfig:
                              f"{self.shared_expert_intermediate_size}")
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        if isinstance(self.routed_scaling_factor, bool) or not isinstance(
+                self.routed_scaling_factor, (int, float)):
+            raise TypeError(f"routed_scaling_factor must be a number, got "
+                            f"{type(self.routed_scaling_factor).__name__} {self.routed_scaling_factor!r}")
         if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
             raise ValueError(f"routed_scaling_factor must be a finite number > 0, got "
                              f"{self.routed_scaling_factor}")

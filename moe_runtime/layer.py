@@ -197,8 +197,11 @@ class MoELayer(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         c = self.config
-        if hidden_states.shape[-1] != c.hidden_size:
+        if hidden_states.dim() == 0 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
+        if hidden_states.device != self.experts.gate_up_proj.device:
+            raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights are on "
+                             f"{self.experts.gate_up_proj.device}")
         # (a DeepSeek-V3 router may keep its weight in fp32: HF's _keep_in_fp32_modules_strict)
         if self.experts.gate_up_proj.dtype != c.dtype or (
                 not c.router_logits_fp32 and self.router.weight.dtype != c.dtype):

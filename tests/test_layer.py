@@ -68,6 +68,10 @@ def test_layer_bad_input():
         layer(torch.randn(3, 15))
     with pytest.raises(TypeError, match="float32"):
         layer(torch.randn(3, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 16\], got \(\)"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="hidden_states is on meta but the layer's weights are on cpu"):
+        layer(torch.empty(3, 16, device="meta"))
 
 
 @pytest.mark.parametrize("bad,exc,msg", [
@@ -83,6 +87,7 @@ def test_layer_bad_input():
     (dict(shared_expert_intermediate_size=-1), ValueError, "shared_expert_intermediate_size"),
     (dict(shared_expert_gate=True), ValueError, "shared_expert_gate needs a shared expert"),
     (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor="2.5"), TypeError, "routed_scaling_factor must be a number, got str"),
     (dict(n_group=2), ValueError, r"scoring='softmax' .* n_group=2, use_correction_bias=False"),
     (dict(use_correction_bias=True), ValueError, r"scoring='softmax' .* use_correction_bias=True"),
     (dict(scoring="sigmoid", n_group=4, topk_group=1, top_k=3), ValueError,
