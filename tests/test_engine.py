@@ -266,6 +266,10 @@ def test_indivisible_world_size_and_bad_timeout_fail_before_ray_starts(ckpt):
         Engine(ckpt, world_size=3, topology="dp_p2p")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         Engine(ckpt, world_size=1, topology="local", timeout_s=0)
+    with pytest.raises(ValueError, match="backend must be auto, reference or cute, got 'triton'"):
+        Engine(ckpt, world_size=1, topology="local", backend="triton")
+    with pytest.raises(TypeError, match="world_size must be an int, got str '2'"):
+        Engine(ckpt, world_size="2", topology="local")
     assert ray.is_initialized() == started
 
 

@@ -118,7 +118,8 @@ class Engine:
         FileNotFoundError: model_dir has no config.json.
         RankError: a rank failed while starting or loading (all actors are gone afterwards).
         TimeoutError: the cluster could not place world_size ranks within timeout_s.
-        ValueError: bad arguments, unsupported model_type or dtype, or GPU ranks on an embedded
+        TypeError: world_size not an int.
+        ValueError: bad arguments (before Ray starts), unsupported model_type or dtype, or GPU ranks on an embedded
             Ray with fewer GPUs than world_size.
     """
 
@@ -126,8 +127,12 @@ class Engine:
                  attention: str = "dp", ray_address: Optional[str] = None, device: str = "auto",
                  dtype: str = "auto", backend: str = "auto", timeout_s: float = 120.0,
                  progress: bool = True, ray_init_kwargs: Optional[dict] = None):
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if backend not in ("auto", "reference", "cute"):
+            raise ValueError(f"backend must be auto, reference or cute, got {backend!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if device not in ("auto", "cpu", "cuda"):
