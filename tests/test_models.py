@@ -135,6 +135,16 @@ def test_missing_tensor_error_names_tensor_and_files(ckpts, tmp_path, arch):
         load_model(d, progress=False)
 
 
+def test_truncated_safetensors_file_is_named(ckpts, tmp_path):
+    d = str(tmp_path / "truncated")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    path = next(os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".safetensors"))
+    with open(path, "r+b") as f:
+        f.truncate(6)
+    with pytest.raises(CheckpointError, match=f"{path}: not a readable safetensors file"):
+        load_model(d, progress=False)
+
+
 def test_misshaped_expert_error_names_tensor_file_and_shapes(ckpts, tmp_path):
     d = str(tmp_path / "broken")
     shutil.copytree(ckpts["qwen3-moe"], d)

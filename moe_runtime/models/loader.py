@@ -128,7 +128,12 @@ class CheckpointReader:
     def _open(self, fname: str):
         if fname not in self._handles:
             path = os.path.join(self.model_dir, fname)
-            self._handles[fname] = self._stack.enter_context(self._safe_open(path, framework="pt"))
+            try:
+                handle = self._safe_open(path, framework="pt")
+            except Exception as e:  # safetensors' own errors do not name the file
+                raise CheckpointError(f"{path}: not a readable safetensors file "
+                                      f"({type(e).__name__}: {e})") from e
+            self._handles[fname] = self._stack.enter_context(handle)
         return self._handles[fname]
 
     def has(self, key: str) -> bool:
