@@ -279,25 +279,34 @@ def test_a_compile_error_leaves_epochs_unchanged(recorded, monkeypatch, kernel, 
 
 
 # ------------------------------------------------------------ real ranks (gloo, CPU): transport
-def w_from_process_group(rank, world, symm_ok):
-    """PeerBuffers.from_process_group on CPU with torch symmetric memory faked: it works on the
-    ranks where symm_ok[rank] (a stand-in heap), fails on the others."""
+def w_from_process_group(rank, world, symm_ok, rdv_ok=(True, True)):
+    """PeerBuffers.from_process_group on CPU with torch symmetric memory faked: symm_mem.empty
+    works on the ranks where symm_ok[rank] (a stand-in heap), the rendezvous where rdv_ok[rank].
+    Returns the mode per transport (or the error) and how often this rank entered the
+    rendezvous (a collective: no rank may enter it unless every rank has its heaps)."""
     import torch.distributed._symmetric_memory as symm_mem
+    rendezvous = []
 
     def empty(n, dtype, device):
         if not symm_ok[rank]:
             raise RuntimeError(f"no symmetric memory on rank {rank}")
         return torch.zeros(n, dtype=dtype, device=device)
 
-    symm_mem.empty = empty
-    symm_mem.rendezvous = lambda t, group: type("Handle", (), {"buffer_ptrs": [t.data_ptr()] * world})
+    def rdv(t, group):
+        rendezvous.append(t.numel())
+        if not rdv_ok[rank]:
+            raise RuntimeError(f"rendezvous failed on rank {rank}")
+        return type("Handle", (), {"buffer_ptrs": [t.data_ptr()] * world})
+
+    symm_mem.empty, symm_mem.rendezvous = empty, rdv
     spec = pb.PeerSpec(world, 4, 256, 2, 4)
     out = {"auto": pb.PeerBuffers.from_process_group(spec, device="cpu").mode}
     try:
         out["symm_mem"] = pb.PeerBuffers.from_process_group(spec, device="cpu",
                                                             transport="symm_mem").mode
-    except RuntimeError as e:
+    except pb.PeerSetupError as e:
         out["symm_mem"] = str(e)
+    out["rendezvous"] = len(rendezvous)
     return out
 
 
@@ -317,15 +326,106 @@ def test_epoch_restart_on_real_ranks():
     assert run_distributed(w_epoch_restart, 2, timeout_s=120) == [(1, 0, True)] * 2
 
 
-@pytest.mark.parametrize("symm_ok", [(True, False), (True, True)])
-def test_auto_transport_is_the_same_on_every_rank(symm_ok):
-    """transport "auto": symm_mem failing on one rank only sends EVERY rank to CUDA IPC (the
-    ranks gather who succeeded); "symm_mem" then raises on every rank, naming the failing one."""
+@pytest.mark.parametrize("symm_ok,rdv_ok", [((True, False), (True, True)),
+                                            ((True, True), (True, True)),
+                                            ((True, True), (False, True))])
+def test_auto_transport_is_the_same_on_every_rank(symm_ok, rdv_ok):
+    """transport "auto": symm_mem (the heaps or the rendezvous) failing on one rank only sends
+    EVERY rank to CUDA IPC (the ranks gather who succeeded); "symm_mem" then raises on every
+    rank, naming the failing one. A rank enters the rendezvous only once every rank has its
+    symm_mem heaps (it is a collective: entering it alone would hang)."""
     from _dist import run_distributed
-    for o in run_distributed(w_from_process_group, 2, symm_ok, timeout_s=120):
-        if all(symm_ok):
-            assert o == {"auto": "symm_mem", "symm_mem": "symm_mem"}
-        else:
-            assert o["auto"] == "ipc"
-            assert o["symm_mem"] == ("peer buffers: torch symmetric memory failed on rank(s) 1: "
-                                     "RuntimeError: no symmetric memory on rank 1")
+    for rank, o in enumerate(run_distributed(w_from_process_group, 2, symm_ok, rdv_ok,
+                                             timeout_s=120)):
+        if all(symm_ok) and all(rdv_ok):
+            assert o == {"auto": "symm_mem", "symm_mem": "symm_mem", "rendezvous": 2}
+            continue
+        assert o["auto"] == "ipc"
+        why = ("RuntimeError: no symmetric memory on rank 1" if not all(symm_ok)
+               else "RuntimeError: rendezvous failed on rank 0")
+        bad = 1 if not all(symm_ok) else 0
+        assert o["symm_mem"] == (f"peer buffers: torch symmetric memory failed on rank(s) "
+                                 f"{bad}: {why}")
+        assert o["rendezvous"] == (0 if not all(symm_ok) else 2), (rank, o)
+
+
+def w_ipc_failure(rank, world, fail_rank, where):
+    """transport "ipc" (and "auto" after symm_mem failed everywhere) where rank `fail_rank`
+    cannot allocate its peer heap ("alloc") or open its peers' handles ("open"). Returns
+    (transport, exception type, message, seconds) per transport."""
+    import time
+
+    import torch.distributed._symmetric_memory as symm_mem
+    spec = pb.PeerSpec(world, 4, 256, 2, 4)
+    peer_bytes, empty = pb.HeapLayout.of(spec).peer_bytes, torch.empty
+
+    def failing_empty(*size, **kw):
+        if rank == fail_rank and size == (peer_bytes,):
+            raise RuntimeError(f"CUDA out of memory on rank {rank}")
+        return empty(*size, **kw)
+
+    def failing_open(handle, device):
+        raise RuntimeError(f"cudaIpcOpenMemHandle failed on rank {rank}")
+
+    def no_symm(*a, **kw):
+        raise RuntimeError("no symmetric memory")
+
+    symm_mem.empty = no_symm
+    if where == "alloc":
+        torch.empty = failing_empty
+    elif rank == fail_rank:
+        pb._open_ipc_handle = failing_open
+    out = []
+    for transport in ("ipc", "auto"):
+        t0 = time.monotonic()
+        try:
+            pb.PeerBuffers.from_process_group(spec, device="cpu", transport=transport)
+            out.append((transport, None, "", time.monotonic() - t0))
+        except Exception as e:  # noqa: BLE001 - the parent checks the type
+            out.append((transport, type(e).__name__, str(e), time.monotonic() - t0))
+    return out
+
+
+@pytest.mark.parametrize("where", ["alloc", "open"])
+def test_ipc_failure_on_one_rank_raises_on_every_rank(where):
+    """A rank whose peer heap allocation (or handle opening) fails no longer raises alone while
+    its peers wait in the handle gather until the group timeout: every rank gathers the
+    outcome first and raises PeerSetupError at once, naming the failing rank and its error."""
+    from _dist import run_distributed
+    want = ({"alloc": "CUDA IPC heaps", "open": "opening the peers' CUDA IPC handles"}[where]
+            + " failed on rank(s) 1: RuntimeError: "
+            + {"alloc": "CUDA out of memory on rank 1",
+               "open": "cudaIpcOpenMemHandle failed on rank 1"}[where])
+    outs = run_distributed(w_ipc_failure, 2, 1, where, timeout_s=120, group_timeout_s=20)
+    for rank_out in outs:
+        for transport, kind, msg, secs in rank_out:
+            assert (kind, msg) == ("PeerSetupError", "peer buffers: " + want), (transport, msg)
+            assert secs < 10, secs  # not the group timeout (20 s)
+
+
+def test_ipc_handles_are_opened_on_this_ranks_device(monkeypatch):
+    """torch's rebuild_cuda_tensor opens a CUDA IPC handle on its storage_device argument, the
+    EXPORTER's device index; the peer heap must be mapped into this rank's own device's context
+    instead. Anything but rebuild_cuda_tensor (a torch change) raises a clear error."""
+    import inspect
+
+    from torch.multiprocessing import reductions
+    params = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert params[6] == "storage_device", params  # the installed torch's reduction
+    opened = []
+
+    def fake_rebuild(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype,
+                     storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
+                     requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+                     event_sync_required):
+        opened.append(storage_device)
+        return torch.zeros(tensor_size, dtype=dtype)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", fake_rebuild)
+    args = (torch.Tensor, (64,), (1,), 0, torch.UntypedStorage, torch.uint8, 0, b"handle", 64, 0,
+            False, b"ref", 0, b"event", True)  # exported by the rank on device 0
+    assert pb._open_ipc_handle((fake_rebuild, args), torch.device("cuda", 3)).shape == (64,)
+    assert opened == [3]
+    with pytest.raises(RuntimeError, match="not rebuild_cuda_tensor"):
+        pb._open_ipc_handle((lambda *a: None, args), torch.device("cuda", 3))
+    assert opened == [3]

@@ -14,7 +14,8 @@ Modes (PeerBuffers.mode):
                 (n_local = W, rank0 = 0). Used by tests and benchmarks on one GPU.
     "symm_mem"  PeerBuffers.from_process_group(spec, group): the peer heap comes from
                 torch symmetric memory (`symm_mem.empty` + `rendezvous`; handle.buffer_ptrs).
-    "ipc"       same, peer heap exchanged as CUDA IPC handles over the group (all_gather_object).
+    "ipc"       same, peer heap exchanged as CUDA IPC handles over the group (all_gather_object),
+                each peer's opened on this rank's own device (_open_ipc_handle).
                 Real modes have n_local = 1, rank0 = the group rank.
     Real modes back the `cute` backends of the tp and dp_nvlink topologies
     (topologies/distributed.py, PeerBufferTopology; the topologies of one group share one
@@ -257,6 +258,59 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+class PeerSetupError(RuntimeError):
+    """Making peer buffers failed on some rank(s); raised on every rank of the group together.
+    `failed`: {rank: "ExceptionType: message"} of the failing ranks."""
+
+    def __init__(self, what: str, failed: dict[int, str]):
+        self.failed = failed
+        super().__init__(f"peer buffers: {what} failed on rank(s) "
+                         + "; ".join(f"{r}: {e}" for r, e in failed.items()))
+
+
+def _on_every_rank(group, step: str, fn):
+    """fn() on this rank, then a bounded gather of every rank's outcome (under the caller's
+    `_on_device`). Returns (fn's value, None where it raised; {rank: "Type: message"} of the
+    ranks where it raised, empty when it worked everywhere)."""
+    value = error = None
+    try:
+        value = fn()
+    except Exception as e:  # reported to every rank, which all raise together
+        error = f"{type(e).__name__}: {e}"
+    errors = all_gather_object(error, group=group, step=f"peer buffers: {step}")
+    return value, {r: e for r, e in enumerate(errors) if e is not None}
+
+
+def _open_ipc_handle(handle, device: torch.device) -> torch.Tensor:
+    """A peer's heap from its `reduce_tensor` handle (fn, args), mapped on THIS rank's device.
+
+    torch's rebuild_cuda_tensor opens the handle on its `storage_device` argument, which is
+    the EXPORTER's device index (in the exporter's numbering). CUDA IPC maps memory into the
+    CURRENT device's context (cudaIpcOpenMemHandle with cudaIpcMemLazyEnablePeerAccess enables
+    peer access from that device to the owner's), so opening under the owner's index would
+    create a context on every peer GPU and enable peer access between the wrong devices: the
+    argument is replaced by `device.index`. CPU heaps (tests) are rebuilt as they come.
+
+    Raises:
+        RuntimeError: torch's reduction of a CUDA tensor is not rebuild_cuda_tensor(...,
+            storage_device, ...) (a torch change this code must follow).
+    """
+    import inspect
+
+    from torch.multiprocessing import reductions
+    fn, args = handle
+    if device.type != "cuda":
+        return fn(*args)
+    params = (inspect.signature(fn).bind(*args) if fn is reductions.rebuild_cuda_tensor
+              else None)
+    if params is None or "storage_device" not in params.arguments:
+        raise RuntimeError(f"peer buffers: torch's reduce_tensor of a CUDA tensor returned "
+                           f"{getattr(fn, '__qualname__', fn)!r}, not rebuild_cuda_tensor with "
+                           "a storage_device argument; the CUDA IPC mapping must be updated")
+    params.arguments["storage_device"] = device.index
+    return fn(*params.args, **params.kwargs)
+
+
 def nvls_allowed(device: torch.device | int | None = None) -> tuple[bool, str]:
     """May NVLS (multicast, multimem.*) be used? Needs the device's multicast attribute and none
     of NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
@@ -342,14 +396,17 @@ class PeerBuffers:
 
         transport: "symm_mem" (torch symmetric memory rendezvous), "ipc" (CUDA IPC handles via
         all_gather_object) or "auto" (symm_mem; when it fails on any rank, every rank uses
-        ipc). The ranks gather whether symm_mem worked on each, so they all pick the same.
-        The allocation and the gathers run with `device` as the current CUDA device (NCCL
-        object gathers use it).
+        ipc). Every step that can fail on one rank (allocating both heaps; the rendezvous;
+        exporting and opening IPC handles) is followed by a bounded gather of every rank's
+        outcome, and the next step (a collective) runs only when it worked on every rank: so
+        all ranks take the same path and a failure raises on every rank together. The
+        allocation and the gathers run with `device` as the current CUDA device (NCCL object
+        gathers use it).
 
         Raises:
             ValueError: group size != spec.world_size.
-            RuntimeError: transport "symm_mem" failed on some rank (raised on every rank,
-                naming the failing ranks and their errors).
+            PeerSetupError: a step failed on some rank ("symm_mem", or "auto" once on ipc);
+                raised on every rank, naming the failing ranks and their errors.
             CollectiveError: a peer did not join a gather within the group timeout.
         """
         import torch.distributed as dist
@@ -357,33 +414,47 @@ class PeerBuffers:
         rank, W = dist.get_rank(group), dist.get_world_size(group)
         if W != spec.world_size:
             raise ValueError(f"group has {W} ranks, spec.world_size={spec.world_size}")
-        device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
+        device = torch.device("cuda" if device is None else device)
+        if device.type == "cuda" and device.index is None:  # by number: peers' handles open on it
+            device = torch.device("cuda", torch.cuda.current_device())
+        lay = HeapLayout.of(spec)
+
+        def heaps(empty):  # (local heap, peer heap from `empty`)
+            return (torch.empty(lay.local_bytes, dtype=torch.uint8, device=device),
+                    empty(lay.peer_bytes, dtype=torch.uint8, device=device))
+
         with _on_device(device):
-            lay = HeapLayout.of(spec)
-            local = torch.empty(lay.local_bytes, dtype=torch.uint8, device=device)
             if transport in ("symm_mem", "auto"):
-                peer = hdl = error = None
-                try:
+                def symm_heaps():
                     import torch.distributed._symmetric_memory as symm_mem
-                    peer = symm_mem.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
-                    hdl = symm_mem.rendezvous(peer, group)
-                    addrs = list(hdl.buffer_ptrs)
-                except Exception as e:
-                    error = f"{type(e).__name__}: {e}"
-                errors = all_gather_object(error, group=group, step="peer buffers: symm_mem")
-                failed = {r: e for r, e in enumerate(errors) if e is not None}
-                if not failed:
-                    return cls(spec, device, "symm_mem", rank, [peer], [local], addrs,
-                               (peer, hdl), group=group)
+                    return symm_mem, *heaps(symm_mem.empty)
+
+                got, failed = _on_every_rank(group, "symm_mem heaps", symm_heaps)
+                if not failed:  # the rendezvous, a collective, only once every rank has heaps
+                    symm_mem, local, peer = got
+                    hdl, failed = _on_every_rank(group, "symm_mem rendezvous",
+                                                 lambda: symm_mem.rendezvous(peer, group))
+                    if not failed:
+                        return cls(spec, device, "symm_mem", rank, [peer], [local],
+                                   list(hdl.buffer_ptrs), (peer, hdl), group=group)
                 if transport == "symm_mem":
-                    raise RuntimeError("peer buffers: torch symmetric memory failed on rank(s) "
-                                       + "; ".join(f"{r}: {e}" for r, e in failed.items()))
-                peer = hdl = None  # free this rank's symm_mem heap, if any, before the ipc one
+                    raise PeerSetupError("torch symmetric memory", failed)
+                got = local = peer = hdl = None  # free the symm_mem heaps before the ipc ones
             from torch.multiprocessing.reductions import reduce_tensor
-            peer = torch.empty(lay.peer_bytes, dtype=torch.uint8, device=device)
-            handles = all_gather_object(reduce_tensor(peer), group=group,
-                                        step="peer buffers: ipc handles")
-            mapped = [peer if r == rank else fn(*args) for r, (fn, args) in enumerate(handles)]
+
+            def ipc_heaps():
+                local, peer = heaps(torch.empty)
+                return local, peer, reduce_tensor(peer)
+
+            got, failed = _on_every_rank(group, "ipc heaps", ipc_heaps)
+            if failed:  # no rank exchanges handles unless every rank has its heaps
+                raise PeerSetupError("CUDA IPC heaps", failed)
+            local, peer, handle = got
+            handles = all_gather_object(handle, group=group, step="peer buffers: ipc handles")
+            mapped, failed = _on_every_rank(group, "ipc open", lambda: [
+                peer if r == rank else _open_ipc_handle(h, device) for r, h in enumerate(handles)])
+            if failed:
+                raise PeerSetupError("opening the peers' CUDA IPC handles", failed)
             return cls(spec, device, "ipc", rank, [peer], [local], [m.data_ptr() for m in mapped],
                        (peer, mapped), group=group)
 
