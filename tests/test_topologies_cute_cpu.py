@@ -371,3 +371,142 @@ def test_auto_is_settled_by_every_rank_together(cute_on):
             assert (o["after"], o["buffers"], o["launches"]) == ("reference", None, 0), o
             assert "rank 1: nvidia-cutlass-dsl is not importable" in o["reason"]
             assert o["cpu_call"] == "reference"
+
+
+def w_setup_disagrees_or_fails(rank, world, backends, fail_rank):
+    """tp with backend backends[rank] on 2 real ranks; rank `fail_rank` (if any) cannot allocate
+    its peer heap. Returns what the first call and the second call did on this rank."""
+    os.environ["MOE_RUNTIME_SMS"] = "132"
+    torch.cuda.is_available = lambda: True
+    from _recorded import record_launches
+    from moe_runtime.kernels import cute_ops, reference
+    kernels.cute_available = lambda: True
+    distributed.CUTE_DEVICE_TYPE = "cpu"
+    distributed.rank_peer_facts = lambda device: {"host": "h", "gpu": f"g{rank}",
+                                                  "peers": [f"g{1 - rank}"]}
+    cute_ops.dispatch = reference.dispatch
+    calls = record_launches(setattr)
+    empty = torch.empty
+    peer_bytes = pb.HeapLayout.of(pb.PeerSpec(world, 512, 64, 2, E, all_to_all=False)).peer_bytes
+
+    def failing_empty(*size, **kw):
+        if rank == fail_rank and size == (peer_bytes,):
+            raise RuntimeError(f"CUDA out of memory on rank {rank}")
+        return empty(*size, **kw)
+
+    torch.empty = failing_empty
+    t = make_topology("tp", E, backend=backends[rank], transport="ipc", max_tokens_per_rank=512)
+    out = {}
+    for i in range(2):  # the second call must not repeat the setup
+        try:
+            res = t.dispatch(*batch(3, seed=7))
+            out[i] = ("ok", t.combine(res.expert_x, res))
+        except Exception as e:  # noqa: BLE001 - the parent checks the type
+            out[i] = (type(e).__name__, str(e))
+    out.update(backend=t.backend, reason=t.backend_reason, buffers=t.peer_buffers,
+               launches=len(calls))
+    return out
+
+
+def test_ranks_asking_different_backends_raise_on_every_rank():
+    """One rank built with "cute", one with "auto": the backend asked for is part of the call
+    every rank must agree on, so both raise ValueError (before: KeyError on the auto rank while
+    the cute rank waited in the buffer exchange)."""
+    outs = run_distributed(w_setup_disagrees_or_fails, 2, ("cute", "auto"), -1, timeout_s=120,
+                           group_timeout_s=20)
+    for o in outs:
+        kind, msg = o[0]
+        assert kind == "ValueError" and "differs across ranks in backend: rank 0 cute, rank 1 " \
+                                       "auto" in msg, msg
+
+
+@pytest.mark.parametrize("backend", ["auto", "cute"])
+def test_peer_buffers_failing_on_one_rank(backend):
+    """Making the buffers fails on rank 1 only: "auto" settles EVERY rank on "reference" (the
+    reason names rank 1 and its error; the calls take the reference path, the second call does
+    no setup again); "cute" raises on every rank, naming rank 1."""
+    outs = run_distributed(w_setup_disagrees_or_fails, 2, (backend,) * 2, 1, timeout_s=120,
+                           group_timeout_s=20)
+    want = ("peer buffers: CUDA IPC heaps failed on rank(s) 1: RuntimeError: CUDA out of memory "
+            "on rank 1")
+    ref = make_topology("tp", E, backend="reference")
+    res = ref.dispatch(*batch(3, seed=7))
+    y = ref.combine(res.expert_x, res)
+    for o in outs:
+        assert o["buffers"] is None and o["launches"] == 0
+        if backend == "auto":
+            assert o["backend"] == "reference" and want in o["reason"], o["reason"]
+            for call in (o[0], o[1]):
+                assert call[0] == "ok" and torch.equal(call[1], y), call
+        else:
+            assert o["backend"] == "cute" and o[0] == ("PeerSetupError", want), o[0]
+
+
+def test_setup_gather_runs_on_the_call_device(cute_on_cpu, monkeypatch):
+    """The first cute call's setup gather runs with x's device current (NCCL object gathers use
+    the current device)."""
+    current = []
+    on_device = pb._on_device
+
+    class Recorder:
+        def __init__(self, device):
+            self.device, self.inner = device, on_device(device)
+
+        def __enter__(self):
+            current.append(self.device)
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            current.pop()
+            return self.inner.__exit__(*exc)
+
+    gathered_on = []
+    gather = distributed.all_gather_object
+
+    def all_gather_object(obj, **kw):
+        gathered_on.append(current[-1] if current else None)
+        return gather(obj, **kw)
+
+    monkeypatch.setattr(pb, "_on_device", Recorder)
+    monkeypatch.setattr(distributed, "all_gather_object", all_gather_object)
+    x, ids, w = batch(3)
+    make_topology("tp", E, backend="cute").dispatch(x, ids, w)
+    assert gathered_on == [x.device]
+
+
+def test_timeout_s_checked_at_construction(monkeypatch):
+    """A bad timeout_s fails when the topology is built: 0 (c10d: no bound), under 1 ms, NaN,
+    not a number; with backend "cute" also above the kernels' MAX_TIMEOUT_S."""
+    for topo in ("tp", "dp_nvlink", "dp_p2p"):
+        for bad in (0, 0.0004, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="timeout_s must be None or a finite number"):
+                make_topology(topo, E, backend="reference", timeout_s=bad)
+        for bad in ("10", True):
+            with pytest.raises(TypeError, match="timeout_s must be None or a number"):
+                make_topology(topo, E, timeout_s=bad)
+        assert make_topology(topo, E, timeout_s=0.001).timeout_s == 0.001
+    pytest.importorskip("cutlass")
+    from moe_runtime.kernels.peer_sync import MAX_TIMEOUT_S
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "cute_available", lambda: True)
+    for topo in ("tp", "dp_nvlink"):
+        with pytest.raises(ValueError, match="above the cute kernels' limit"):
+            make_topology(topo, E, backend="cute", timeout_s=MAX_TIMEOUT_S * 2)
+        assert make_topology(topo, E, backend="cute", timeout_s=MAX_TIMEOUT_S).timeout_s == \
+            MAX_TIMEOUT_S
+        # "auto" builds (the reference path takes any bound); the first CUDA call reports it
+        assert make_topology(topo, E, timeout_s=MAX_TIMEOUT_S * 2).backend == "auto"
+
+
+def test_auto_reports_a_timeout_the_kernels_refuse(cute_on_cpu, monkeypatch):
+    """"auto" with timeout_s above the kernels' limit: this rank reports the call as one
+    without peer buffers, so the auto rule keeps every rank on "reference"."""
+    from moe_runtime.kernels.peer_sync import MAX_TIMEOUT_S
+    seen = []
+    monkeypatch.setattr(distributed, "rank_peer_facts", lambda device: {})
+    monkeypatch.setattr(distributed, "auto_picks_cute",
+                        lambda facts: seen.extend(facts) or (False, "recorded"))
+    t = make_topology("tp", E, timeout_s=MAX_TIMEOUT_S * 2)
+    t.dispatch(*batch(3))
+    assert "above the cute kernels' limit" in seen[0]["unsupported"]
+    assert t.backend == "reference" and not cute_on_cpu

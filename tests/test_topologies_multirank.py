@@ -369,3 +369,58 @@ def test_make_topology_rejects_bad_arguments():
         make_topology("local", 4, backend="bogus")
     with pytest.raises(TypeError, match="ProcessGroup"):
         make_topology("local", 4, group="world")
+
+
+def w_wait_bounds(rank, world):
+    """The timeout each bounded collective's wait gets: the call's timeout_s, else the group's
+    own (DistPool's default group: 30 s; a new_group: its timeout_s). Without one an NCCL wait
+    does not block the CPU, so a stalled peer would surface later as a hang."""
+    import torch.distributed as dist
+
+    from moe_runtime.comm import all_reduce_sum, all_to_all_single, new_group
+    waits, real = [], (dist.all_reduce, dist.all_to_all_single)
+
+    class Work:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *args, **kw):
+            waits.append(kw.get("timeout", args[0] if args else None))
+            return self.work.wait(*args, **kw)
+
+    dist.all_reduce = lambda *a, **kw: Work(real[0](*a, **kw))
+    dist.all_to_all_single = lambda *a, **kw: Work(real[1](*a, **kw))
+    try:
+        g = new_group(timeout_s=2.5)
+        all_reduce_sum(torch.ones(1))
+        all_reduce_sum(torch.ones(1), group=g)
+        all_reduce_sum(torch.ones(1), group=g, timeout_s=1.5)
+        all_to_all_single(torch.empty(2), torch.ones(2), group=g)
+    finally:
+        dist.all_reduce, dist.all_to_all_single = real
+    return [None if w is None else w.total_seconds() for w in waits]
+
+
+def test_collectives_wait_with_the_group_timeout(pools):
+    assert pools(2).run(w_wait_bounds) == [[30.0, 2.5, 1.5, 2.5]] * 2
+
+
+def test_timeout_s_validated(monkeypatch):
+    """0 (or under 1 ms) would be c10d's "no timeout"; NaN / inf / not a number are refused
+    too, before anything is started (also in a process without torch.distributed)."""
+    from moe_runtime.comm import all_reduce_sum, all_to_all_single, init_process_group, new_group
+    t = torch.ones(2)
+    for bad in (0, 0.0, 0.0009, -2.0, float("nan"), float("inf")):
+        for call in (lambda: all_reduce_sum(t, timeout_s=bad),
+                     lambda: all_to_all_single(torch.empty(2), t, timeout_s=bad),
+                     lambda: new_group(timeout_s=bad),
+                     lambda: init_process_group(0, 1, backend="gloo", timeout_s=bad)):
+            with pytest.raises(ValueError, match="timeout_s must be None or a finite number"):
+                call()
+    with pytest.raises(TypeError, match="timeout_s must be None or a number"):
+        all_reduce_sum(t, timeout_s="1")
+    monkeypatch.setenv("MOE_RUNTIME_COMM_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="got 0.0"):
+        init_process_group(0, 1, backend="gloo")
+    assert not torch.distributed.is_initialized()
+    assert all_reduce_sum(t, timeout_s=0.001) is t

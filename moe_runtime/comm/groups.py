@@ -1,7 +1,8 @@
 """Process groups and bounded collectives over torch.distributed (gloo on CPU, nccl on CUDA).
 
 Every collective here is bounded: the group is created with a timeout, and each call may pass
-its own `timeout_s` (a wait on the async work). A peer that never joins surfaces as a
+its own `timeout_s` (a wait on the async work; None = the group's timeout, so on NCCL too the
+CPU blocks until the work is done or the bound passes). A peer that never joins surfaces as a
 `CollectiveError` naming this rank and the step, never as a hang. After such an error the
 group's state is undefined (gloo closes the pairs): build a new group before using it again.
 
@@ -15,7 +16,9 @@ torch 2.13 CPU, so the DP topologies use it directly on both gloo and nccl.
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -42,8 +45,48 @@ def default_backend(device: Optional[torch.device] = None) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+#: timeout_s of the groups init_process_group / new_group made (group_timeout_s reads it).
+_GROUP_TIMEOUT_S: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+
+
+def check_timeout_s(timeout_s: Optional[float]) -> Optional[float]:
+    """`timeout_s` as a float, or None (= the group's timeout).
+
+    c10d counts whole milliseconds and takes 0 ms as "no timeout", so a bound must be a finite
+    number of seconds >= 0.001.
+
+    Raises:
+        TypeError: not None and not a number (bool included).
+        ValueError: NaN, infinite, or below 0.001 s (0 included).
+    """
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be None or a number of seconds, got "
+                        f"{type(timeout_s).__name__} {timeout_s!r}")
+    if not (math.isfinite(timeout_s) and timeout_s >= 1e-3):
+        raise ValueError(f"timeout_s must be None or a finite number of seconds >= 0.001 (c10d "
+                         f"counts whole milliseconds; 0 ms means no bound), got {timeout_s!r}")
+    return float(timeout_s)
+
+
 def _timedelta(timeout_s: Optional[float]) -> datetime.timedelta:
-    return datetime.timedelta(seconds=default_timeout_s() if timeout_s is None else timeout_s)
+    """timeout_s (None: default_timeout_s()) as a timedelta; raises as check_timeout_s."""
+    return datetime.timedelta(seconds=check_timeout_s(
+        default_timeout_s() if timeout_s is None else timeout_s))
+
+
+def group_timeout_s(group=None) -> float:
+    """The timeout in seconds of `group` (None: the default group): the one init_process_group
+    or new_group made it with, else (a group made by torch.distributed directly) torch's
+    default timeout for its backend."""
+    pg = dist.group.WORLD if group is None else group
+    if pg in _GROUP_TIMEOUT_S:
+        return _GROUP_TIMEOUT_S[pg]
+    from torch.distributed import constants
+    nccl = dist.get_backend(pg) == "nccl"
+    return (constants.default_pg_nccl_timeout if nccl else constants.default_pg_timeout
+            ).total_seconds()
 
 
 def init_process_group(rank: int, world_size: int, *, backend: Optional[str] = None,
@@ -59,7 +102,8 @@ def init_process_group(rank: int, world_size: int, *, backend: Optional[str] = N
         timeout_s: bound on every collective of the group (default default_timeout_s()).
 
     Raises:
-        ValueError: rank outside [0, world_size).
+        ValueError: rank outside [0, world_size); timeout_s (or $MOE_RUNTIME_COMM_TIMEOUT_S)
+            refused by check_timeout_s (TypeError for a non-number).
         RuntimeError / DistStoreError: peers did not join within the timeout.
     """
     if not 0 <= rank < world_size:
@@ -67,16 +111,23 @@ def init_process_group(rank: int, world_size: int, *, backend: Optional[str] = N
     if init_method is None:
         port = master_port if master_port is not None else int(os.environ.get("MASTER_PORT", 29500))
         init_method = f"tcp://{master_addr}:{port}"
+    timeout = _timedelta(timeout_s)
     dist.init_process_group(backend or default_backend(), init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=_timedelta(timeout_s))
+                            world_size=world_size, timeout=timeout)
+    _GROUP_TIMEOUT_S[dist.group.WORLD] = timeout.total_seconds()
     return dist.group.WORLD
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] = None,
               timeout_s: Optional[float] = None):
-    """A subgroup with its own timeout. Every rank of the default group must call this."""
-    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend,
-                          timeout=_timedelta(timeout_s))
+    """A subgroup with its own timeout (default default_timeout_s(); refused as by
+    check_timeout_s). Every rank of the default group must call this."""
+    timeout = _timedelta(timeout_s)
+    group = dist.new_group(list(ranks) if ranks is not None else None, backend=backend,
+                           timeout=timeout)
+    if isinstance(group, dist.ProcessGroup):  # (not a rank outside `ranks`)
+        _GROUP_TIMEOUT_S[group] = timeout.total_seconds()
+    return group
 
 
 def _alone(group) -> bool:
@@ -103,18 +154,19 @@ def group_rank_size(group=None) -> tuple[int, int]:
 
 
 def _bounded(step: str, group, timeout_s: Optional[float], start) -> None:
-    """Run `start()` (returns async Work), wait with the bound, and name the step on failure."""
+    """Run `start()` (returns async Work) and wait for it with the CPU blocked, at most
+    timeout_s (checked by the caller; None: the group's timeout: without a bound an NCCL wait
+    only orders the current stream, so a stalled peer would surface later as a hang). Names
+    the step on failure: raises CollectiveError."""
+    seconds = group_timeout_s(group) if timeout_s is None else timeout_s
+    what = f"{seconds}s" + (" (the group timeout)" if timeout_s is None else "")
     try:
         work = start()
-        if timeout_s is None:
-            work.wait()
-        else:
-            work.wait(timeout=_timedelta(timeout_s))
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
     except Exception as e:  # gloo/nccl raise RuntimeError subclasses with backend text
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        bound = f"{timeout_s}s" if timeout_s is not None else "the group timeout"
         raise CollectiveError(f"rank {rank}/{world}: collective '{step}' failed or timed out "
-                              f"(bound: {bound}; a peer may have stalled or died): {e}") from e
+                              f"(bound: {what}; a peer may have stalled or died): {e}") from e
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *,
@@ -129,8 +181,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *,
         *_split_sizes: rows per rank (None = equal split).
 
     Raises:
+        TypeError / ValueError: timeout_s refused by check_timeout_s.
         CollectiveError: failure or timeout, naming this rank and `step`.
     """
+    timeout_s = check_timeout_s(timeout_s)
     if _alone(group):
         return output.copy_(input)
     _bounded(step, group, timeout_s, lambda: dist.all_to_all_single(
@@ -140,7 +194,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *,
 
 def all_reduce_sum(t: torch.Tensor, *, group=None, step: str = "all_reduce",
                    timeout_s: Optional[float] = None) -> torch.Tensor:
-    """Bounded in-place SUM all-reduce of `t`; returns `t`. Raises CollectiveError."""
+    """Bounded in-place SUM all-reduce of `t`; returns `t`. Raises CollectiveError, or
+    TypeError / ValueError for a timeout_s refused by check_timeout_s."""
+    timeout_s = check_timeout_s(timeout_s)
     if _alone(group):
         return t
     _bounded(step, group, timeout_s,

@@ -38,8 +38,9 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         align: per-expert segment alignment in rows.
         backend: "reference", "cute" or "auto" (local: see kernels.resolve_backend; the
             multi-rank topologies: see distributed.resolve_group_backend).
-        timeout_s: per-collective bound for the multi-rank topologies (None = group timeout);
-            the cute backends turn it into each device-side wait's poll count
+        timeout_s: per-collective bound in seconds for the multi-rank topologies (None = the
+            group's timeout; else finite and >= 0.001, checked here; "local" ignores it); the
+            cute backends turn it into each device-side wait's poll count
             (kernels.peer_sync.wait_bounds: ~1.5x timeout_s on the H200, grid barriers 2x).
         max_tokens_per_rank, transport: peer buffer sizing and transport of the cute backends
             of "tp" and "dp_nvlink" (distributed.PeerBufferTopology; None = its default,
@@ -51,9 +52,11 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         ValueError: unknown name (the message lists the known ones), bad backend, "cute"
             without CUDA or CuTeDSL, experts not divisible by the world size, align < 1, a
             multi-rank group for "local", max_tokens_per_rank / transport for a topology
-            without peer buffers.
+            without peer buffers, timeout_s NaN, infinite or below 0.001 s (comm.groups.
+            check_timeout_s) or, for backend "cute", above kernels.peer_sync.MAX_TIMEOUT_S.
         BackendNotImplementedError (a ValueError): backend "cute" for "dp_p2p".
-        TypeError: num_experts or align not an int, group not a ProcessGroup.
+        TypeError: num_experts or align not an int, group not a ProcessGroup, timeout_s not
+            None or a number.
     """
     if name not in TOPOLOGIES:
         raise ValueError(f"unknown topology {name!r}; expected one of {sorted(TOPOLOGIES)}")

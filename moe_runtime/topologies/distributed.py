@@ -34,9 +34,11 @@ BackendNotImplementedError there.
 CuTeDSL, so that every rank joins the same first-call collective) and is "reference" unless the
 cute backend is safe, decided ONCE, at the first call with CUDA tensors, from facts every rank
 reports (a collective: `auto_picks_cute`): at least 2 ranks, CuTeDSL importable on every rank,
-buffers possible for the call (bf16/fp16, rows a multiple of 16 bytes), one host, every rank on
-its own GPU, and every rank's process seeing every other rank's GPU with CUDA peer access (so
-e.g. Ray actors that each see one GPU stay on "reference"). Before it is settled, calls with
+buffers possible for the call (bf16/fp16, rows a multiple of 16 bytes, timeout_s within the
+kernels' limit), one host, every rank on its own GPU, and every rank's process seeing every other
+rank's GPU with CUDA peer access (so e.g. Ray actors that each see one GPU stay on "reference"),
+and then the peer buffers made on every rank (a failure anywhere settles every rank on
+"reference", the reason naming the failing ranks). Before it is settled, calls with
 CPU tensors take the reference path and settle nothing; once settled on cute, "auto" behaves
 as "cute" (CPU tensors raise ValueError), except above max_tokens_per_rank: there `tp` (every
 rank holds the same tokens, so all ranks take the same path) runs that call on the reference
@@ -63,6 +65,7 @@ import torch
 
 from .. import kernels
 from ..comm import all_gather_object, all_to_all_single, group_rank_size
+from ..comm.groups import check_timeout_s
 from ..kernels import reference
 from .base import DispatchResult, Topology
 
@@ -131,13 +134,15 @@ class GroupTopology(Topology):
         align: per-expert segment alignment in rows (>= 1).
         backend: "reference", "cute" or "auto" (resolve_group_backend; `backend` holds the
             result, "auto" until a PeerBufferTopology's first CUDA call settles it).
-        timeout_s: bound on each collective call; None = the group's own timeout. The cute
-            backend turns it into each device-side wait's poll count (kernels.peer_sync.
-            wait_bounds: ~1.5x timeout_s on the H200; None = the kernels' default, 10 s).
+        timeout_s: bound on each collective call in seconds (>= 0.001: comm.groups.
+            check_timeout_s); None = the group's own timeout. The cute backend turns it into
+            each device-side wait's poll count (kernels.peer_sync.wait_bounds: ~1.5x timeout_s
+            on the H200; None = the kernels' default, 10 s).
 
     Raises:
         ValueError: unknown backend; "cute" without CUDA or CuTeDSL; num_experts % world_size
-            != 0; align < 1.
+            != 0; align < 1; timeout_s below 0.001 s, NaN or infinite (TypeError: not a
+            number).
         BackendNotImplementedError: backend "cute" for a topology without one (dp_p2p).
         RuntimeError: a group is given but torch.distributed is not initialized.
     """
@@ -145,10 +150,10 @@ class GroupTopology(Topology):
     def __init__(self, num_experts: int, *, group=None, align: int = 1, backend: str = "auto",
                  timeout_s: Optional[float] = None):
         self.backend = resolve_group_backend(self.name, backend)
+        self.timeout_s = check_timeout_s(timeout_s)
         rank, world_size = group_rank_size(group)
         super().__init__(num_experts, rank=rank, world_size=world_size, align=align)
         self.group = group
-        self.timeout_s = timeout_s
 
     def _step(self, what: str) -> str:
         return f"{self.name}.{what}"
@@ -273,13 +278,16 @@ class PeerBufferTopology(GroupTopology):
 
     The first call with CUDA tensors (backend "cute", or "auto" not yet settled) is a
     collective: every rank reports the call's shape (H, dtype, k, the constructor's sizes and
-    transport; they must agree, else ValueError on every rank), whether the call can have peer
-    buffers (if not, backend "cute" raises on every rank, naming the first such rank) and, for
-    "auto", its peer facts; "auto" then settles (auto_picks_cute; the reason is kept in
-    `backend_reason`). For cute the ranks then reuse the buffers an earlier topology of the
+    transport and the backend asked for; they must agree, else ValueError on every rank),
+    whether the call can have peer buffers (if not, backend "cute" raises on every rank, naming
+    the first such rank) and, for "auto", its peer facts; "auto" settles on "reference" when
+    auto_picks_cute says no. Otherwise the ranks reuse the buffers an earlier topology of the
     same group, PeerSpec, device and transport made (when every rank still holds them: the
     module docstring says how they are shared), or every rank allocates new ones and exchanges
     their addresses (PeerBuffers.from_process_group; a world of one rank: PeerBuffers.virtual).
+    When that fails on any rank (PeerSetupError, raised on every rank together), "cute" raises
+    it on every rank and "auto" settles every rank on "reference" (logged as a warning); else
+    "auto" settles on "cute". The reason "auto" settled is kept in `backend_reason`.
     EVERY RANK MUST MAKE THE SAME CALLS, in the same order: each dispatch and combine is a
     collective whose kernels wait for every peer; and a dispatch must be combined before the
     next dispatch of any topology sharing the buffers.
@@ -300,7 +308,8 @@ class PeerBufferTopology(GroupTopology):
         backend_reason: why "auto" settled as it did (None before, or without "auto").
 
     Raises (construction): TypeError / ValueError for max_tokens_per_rank not an int >= 1 or
-    an unknown transport, besides GroupTopology's.
+    an unknown transport; ValueError for backend "cute" with timeout_s above the kernels'
+    limit (kernels.peer_sync.MAX_TIMEOUT_S); besides GroupTopology's.
     """
 
     all_to_all = True  # PeerSpec.all_to_all of this topology's buffers (tp: all-reduce only)
@@ -320,6 +329,8 @@ class PeerBufferTopology(GroupTopology):
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         super().__init__(num_experts, group=group, align=align, backend=backend,
                          timeout_s=timeout_s)
+        if self.backend == "cute" and (why := self._kernel_timeout_refused()):
+            raise ValueError(f"{self.name}, backend 'cute': {why}")
         self.max_tokens_per_rank = max_tokens_per_rank
         self.transport = transport
         self.peer_buffers = None
@@ -356,7 +367,7 @@ class PeerBufferTopology(GroupTopology):
         return bufs
 
     def _create_peer_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        from ..comm.peer_buffers import PeerBuffers, PeerSpec
+        from ..comm.peer_buffers import PeerBuffers, PeerSetupError, PeerSpec, _on_device
         call = dict(world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
                     hidden=x.shape[1], top_k=topk_ids.shape[1], num_experts=self.num_experts,
                     dtype=x.dtype, align=self.align, all_to_all=self.all_to_all)
@@ -366,17 +377,21 @@ class PeerBufferTopology(GroupTopology):
             spec, error = None, e
         key = (self.group, spec, x.device, self.transport)
         shared = None if spec is None else _SHARED.get(key)  # (held: the registry is weak)
-        mine = {"call": call, "transport": self.transport, "shared": shared is not None,
-                "unsupported": error and str(error), "error_type": error and type(error).__name__}
+        mine = {"call": call, "transport": self.transport, "backend": self.backend,
+                "shared": shared is not None, "unsupported": error and str(error),
+                "error_type": error and type(error).__name__}
         if self.backend == "auto":
             mine.update(rank_peer_facts(x.device), cute=kernels.cute_available())
-        facts = all_gather_object(mine, group=self.group, step=self._step("peer buffer setup"))
+            if mine["cute"] and not error:
+                mine["unsupported"] = self._kernel_timeout_refused()
+        with _on_device(x.device):  # NCCL object gathers use the current device
+            facts = all_gather_object(mine, group=self.group, step=self._step("peer buffer setup"))
         failed = [(r, f) for r, f in enumerate(facts) if f["unsupported"]]
         if failed and self.backend == "cute":  # every rank raises, naming the first such rank
             r, f = failed[0]
             raise (TypeError if f["error_type"] == "TypeError" else ValueError)(
                 f"{self.name} rank {r}, backend 'cute': {f['unsupported']}")
-        calls = [dict(f["call"], transport=f["transport"]) for f in facts]
+        calls = [dict(f["call"], transport=f["transport"], backend=f["backend"]) for f in facts]
         differ = [k for k in calls[0] if any(c[k] != calls[0][k] for c in calls)]
         if differ:
             raise ValueError(
@@ -385,19 +400,42 @@ class PeerBufferTopology(GroupTopology):
                     f"{k}: " + ", ".join(f"rank {r} {c[k]}" for r, c in enumerate(calls))
                     for k in differ))
         if self.backend == "auto":
-            ok, self.backend_reason = auto_picks_cute(facts)
-            self.backend = "cute" if ok else "reference"
-            log.info("%s rank %d: backend auto -> %s: %s", self.name, self.rank, self.backend,
-                     self.backend_reason)
+            ok, reason = auto_picks_cute(facts)
             if not ok:
+                self._settle("reference", reason)
                 return
         if all(f["shared"] for f in facts):  # made by an earlier topology on every rank: reuse
-            self.peer_buffers = shared
-            return
-        self.peer_buffers = _SHARED[key] = (
-            PeerBuffers.virtual(spec, x.device) if self.world_size == 1 else
-            PeerBuffers.from_process_group(spec, self.group, device=x.device,
-                                           transport=self.transport))
+            bufs = shared
+        else:
+            try:
+                bufs = _SHARED[key] = (
+                    PeerBuffers.virtual(spec, x.device) if self.world_size == 1 else
+                    PeerBuffers.from_process_group(spec, self.group, device=x.device,
+                                                   transport=self.transport))
+            except PeerSetupError as e:  # raised on every rank together
+                if self.backend == "cute":
+                    raise
+                self._settle("reference", f"making the peer buffers failed: {e}", logging.WARNING)
+                return
+        self.peer_buffers = bufs
+        if self.backend == "auto":
+            self._settle("cute", reason)
+
+    def _settle(self, backend: str, reason: str, level: int = logging.INFO) -> None:
+        """Settle "auto" on `backend` (every rank does, at the same call); log the reason."""
+        self.backend, self.backend_reason = backend, reason
+        log.log(level, "%s rank %d: backend auto -> %s: %s", self.name, self.rank, backend, reason)
+
+    def _kernel_timeout_refused(self) -> Optional[str]:
+        """Why the cute kernels refuse timeout_s (above kernels.peer_sync.MAX_TIMEOUT_S), else
+        None. Reads the limit from the kernels (CuTeDSL) only when timeout_s is set."""
+        if self.timeout_s is None:
+            return None
+        from ..kernels.peer_sync import MAX_TIMEOUT_S
+        if self.timeout_s > MAX_TIMEOUT_S:
+            return (f"timeout_s={self.timeout_s} is above the cute kernels' limit "
+                    f"(kernels.peer_sync.MAX_TIMEOUT_S={MAX_TIMEOUT_S})")
+        return None
 
     def _kernel_bounds(self) -> dict[str, float]:
         """timeout_s for the kernels' device waits (none given: the kernels' default)."""
