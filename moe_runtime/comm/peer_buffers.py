@@ -32,8 +32,10 @@ this rank).
 Flags never go stale: every flag is written with the call's epoch (1, 2, 3, ...) and waited on
 with `>=`, so consecutive calls reuse buffers without a memset. Epochs never wrap: before a
 counter would pass EPOCH_LIMIT, every rank restarts both counters together and zeroes the
-epoch-carrying fields (EPOCH_FIELDS; `restart_epochs`, once per ~1e9 calls). A flag that a
-rare call last wrote 2^31 epochs earlier would otherwise look current to a wrap-safe compare. Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device waits
+epoch-carrying fields (EPOCH_FIELDS; `restart_epochs`, once per ~1e9 calls). A flag that a rare call
+last wrote 2^31 epochs earlier would otherwise look current to a wrap-safe compare.
+
+Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device waits
 that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase; an
 index that would fall outside its buffer (topk_ids outside [0, E), token_slot past expert_y, a
 corrupt count or row from a peer) is refused, recorded the same way, and raised as
