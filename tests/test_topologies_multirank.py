@@ -7,6 +7,7 @@ and equality with LocalTopology on the concatenated tokens (DP) or the shared ba
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -305,11 +306,16 @@ def test_stalled_peer_raises_within_timeout(pools, topo_name, use_call_timeout):
 
 
 @pytest.mark.parametrize("topo_name", TOPOS)
-def test_single_process_without_torch_distributed(topo_name):
-    # group=None and no initialized torch.distributed: a world of one rank, same answers
+def test_single_process_without_torch_distributed(topo_name, caplog):
+    # group=None and no initialized torch.distributed: a world of one rank (with a warning:
+    # a forgotten init_process_group), same answers
+    from moe_runtime.topologies import distributed
     assert not torch.distributed.is_initialized()
     case = dict(BASE, T=[9], dtype=torch.bfloat16, align=4, experts="scale", seed=21)
-    topo = make_topology(topo_name, E, align=4, backend="reference")
+    distributed._warn_alone.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="moe_runtime"):
+        topo = make_topology(topo_name, E, align=4, backend="reference")
+    assert f"{topo.name} topology built while torch.distributed is not initialized" in caplog.text
     assert (topo.rank, topo.world_size, topo.num_local_experts) == (0, 1, E)
     x, ids, w, _ = make_batch(case, 1)
     res, ref = topo.dispatch(x, ids, w), LocalTopology(E, align=4).dispatch(x, ids, w)

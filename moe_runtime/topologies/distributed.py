@@ -56,12 +56,14 @@ repairs them for all.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import weakref
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .. import kernels
 from ..comm import all_gather_object, all_to_all_single, group_rank_size
@@ -124,6 +126,15 @@ def resolve_group_backend(topology: str, backend: str) -> str:
     return backend
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_alone(name: str) -> None:
+    """Once per topology name: a multi-rank topology built before init_process_group runs as
+    a world of one rank (every expert here); say so instead of silently doing that."""
+    log.warning("moe_runtime: %s topology built while torch.distributed is not initialized: it "
+                "is a world of one rank holding every expert (call init_process_group first "
+                "for multi-rank runs)", name)
+
+
 class GroupTopology(Topology):
     """A topology whose ranks are the members of a torch.distributed process group.
 
@@ -152,6 +163,8 @@ class GroupTopology(Topology):
         self.backend = resolve_group_backend(self.name, backend)
         self.timeout_s = check_timeout_s(timeout_s)
         rank, world_size = group_rank_size(group)
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            _warn_alone(self.name)  # (world_size is then 1)
         super().__init__(num_experts, rank=rank, world_size=world_size, align=align)
         self.group = group
 
