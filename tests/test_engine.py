@@ -307,3 +307,20 @@ def test_embedded_ray_is_a_new_local_instance():
     eng.world_size, eng.timeout_s, eng._started_ray = 2, 30.0, False
     eng._init_ray(fake_ray, None, "cpu", {})
     assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 2 and eng._started_ray
+
+
+def test_ray_address_from_the_environment_is_joined(monkeypatch):
+    """Under `ray job submit` (RAY_ADDRESS set) an Engine built from Python joins that cluster."""
+    from types import SimpleNamespace
+
+    from moe_runtime.engine import driver
+    calls, checked = [], []
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setattr(driver, "_check_reachable", lambda address, timeout_s: checked.append(address))
+    fake_ray = SimpleNamespace(is_initialized=lambda: bool(calls), init=lambda **kw: calls.append(kw),
+                               cluster_resources=lambda: {"CPU": 4.0})
+    eng = Engine.__new__(Engine)
+    eng.world_size, eng.timeout_s, eng._started_ray = 2, 30.0, False
+    eng._init_ray(fake_ray, None, "cpu", {})
+    assert checked == ["10.0.0.1:6379"] and calls == [{"address": "10.0.0.1:6379"}]
+    assert not eng._started_ray

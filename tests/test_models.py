@@ -271,7 +271,7 @@ def test_sampler_greedy_top_p_and_seeds():
         SamplingParams(max_new_tokens=0)
 
 
-@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-20])
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-46, 1e-300, 1e-20])
 def test_sampler_tiny_temperature_is_greedy(temperature):
     """logits / T overflows to +-inf for a tiny T (nan probabilities): shifted, it is greedy."""
     logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [-2.0, -50.0, 40.0, 39.5], [7.0, -7.0, 0.0, 6.0]])

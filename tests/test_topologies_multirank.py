@@ -430,3 +430,22 @@ def test_timeout_s_validated(monkeypatch):
         init_process_group(0, 1, backend="gloo")
     assert not torch.distributed.is_initialized()
     assert all_reduce_sum(t, timeout_s=0.001) is t
+
+
+def test_nccl_waits_without_timeout_s_stay_stream_ordered(monkeypatch):
+    """timeout_s None on NCCL: work.wait() with no timeout (it orders the stream; a blocking
+    NCCL wait sleeps 1 ms per poll, ~1 ms per collective of a decode step); a given timeout_s
+    still blocks with its bound; gloo always waits with a bound."""
+    from moe_runtime.comm import groups
+    waits = []
+
+    class Work:
+        def wait(self, **kw):
+            waits.append(kw.get("timeout"))
+
+    monkeypatch.setattr(groups, "group_timeout_s", lambda group: 30.0)
+    for backend, timeout_s, want in (("nccl", None, None), ("nccl", 1.5, 1.5), ("gloo", None, 30.0)):
+        monkeypatch.setattr(groups.dist, "get_backend", lambda group, b=backend: b)
+        groups._bounded("step", None, timeout_s, Work)
+        got = waits.pop()
+        assert (got if got is None else got.total_seconds()) == want, (backend, timeout_s, got)

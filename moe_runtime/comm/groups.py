@@ -154,15 +154,19 @@ def group_rank_size(group=None) -> tuple[int, int]:
 
 
 def _bounded(step: str, group, timeout_s: Optional[float], start) -> None:
-    """Run `start()` (returns async Work) and wait for it with the CPU blocked, at most
-    timeout_s (checked by the caller; None: the group's timeout: without a bound an NCCL wait
-    only orders the current stream, so a stalled peer would surface later as a hang). Names
-    the step on failure: raises CollectiveError."""
+    """Run `start()` (returns async Work) and wait for it, at most timeout_s (checked by the
+    caller) with the CPU blocked. timeout_s None: the group's timeout; on NCCL the wait then
+    only orders the current stream (a blocking NCCL wait polls with 1 ms sleeps: ~1 ms per
+    collective on a decode step) and a stalled peer is ended by NCCL's watchdog at the group
+    timeout. Names the step on failure: raises CollectiveError."""
     seconds = group_timeout_s(group) if timeout_s is None else timeout_s
     what = f"{seconds}s" + (" (the group timeout)" if timeout_s is None else "")
     try:
         work = start()
-        work.wait(timeout=datetime.timedelta(seconds=seconds))
+        if timeout_s is None and "nccl" in str(dist.get_backend(group)).lower():
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
     except Exception as e:  # gloo/nccl raise RuntimeError subclasses with backend text
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         raise CollectiveError(f"rank {rank}/{world}: collective '{step}' failed or timed out "

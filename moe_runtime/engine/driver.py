@@ -11,6 +11,7 @@ group before returning, so nothing is left running. `shutdown()` also stops an e
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -102,8 +103,9 @@ class Engine:
         topology: "auto", "local", "tp", "dp_nvlink" or "dp_p2p".
         attention: for "auto": "dp" (data-parallel attention + EP, the default) or "tp".
         ray_address: join this Ray cluster ("auto" or host:port); None = the Ray already
-            initialized in this process, else start a new one embedded here (even when a local
-            cluster already runs on this machine; stopped by shutdown()).
+            initialized in this process, else $RAY_ADDRESS when set (a `ray job submit` job),
+            else start a new one embedded here (even when a local cluster already runs on this
+            machine; stopped by shutdown()).
         device: "auto" (GPU ranks when the cluster has any GPU, CPU ranks when it has none),
             "cpu", "cuda". GPU ranks with fewer GPUs than world_size in the cluster: on an
             embedded Ray (this machine only) a ValueError at once; on a joined cluster a
@@ -186,6 +188,8 @@ class Engine:
                 signal.signal(signal.SIGTERM, saved_term)
 
     def _init_ray(self, ray, address: Optional[str], device: str, extra: dict) -> None:
+        if address is None and not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS") or None  # e.g. set by `ray job submit`
         if address is not None:
             _check_reachable(address, self.timeout_s)
             if not ray.is_initialized():

@@ -65,8 +65,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
         int64 [B] token ids on the CPU.
     """
     logits = logits.float().cpu()
-    if params.temperature == 0 or logits.shape[0] == 0:
-        return logits.argmax(-1)
+    if params.temperature < torch.finfo(torch.float32).tiny or logits.shape[0] == 0:
+        return logits.argmax(-1)  # (below fp32's smallest normal, x / T is 0 / 0 at the max)
     # shifted so that the largest is 0: a tiny temperature sends the others to -inf (greedy)
     # instead of overflowing every logit to +-inf (nan probabilities)
     shifted = logits - logits.max(-1, keepdim=True).values
