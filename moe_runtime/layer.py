@@ -192,7 +192,15 @@ class MoELayer(nn.Module):
         the graphs and do not count."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
+        subs = self.__dict__.get("_submodules")  # (the walk cost ~5 us per call: cached)
+        if subs is None:
+            subs = self.__dict__["_submodules"] = tuple(m for m in self.modules() if m is not self)
+        return any(m._forward_hooks or m._forward_pre_hooks for m in subs)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, nn.Module):  # a replaced submodule: walk the tree again
+            self.__dict__.pop("_submodules", None)
+        super().__setattr__(name, value)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

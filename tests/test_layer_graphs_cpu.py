@@ -184,6 +184,27 @@ def test_hooks_inside_the_layer_run_eagerly_on_the_real_rows(where, kind):
     outer.remove()
 
 
+def test_hook_on_a_replaced_submodule_is_seen():
+    """The submodules scanned for hooks are cached; assigning a new submodule refreshes them, so
+    a hook on the replacement still sends calls to the eager path."""
+    layer = make_layer("sigmoid_groups_shared")
+    log, seen = [], []
+    layer.enable_cuda_graphs(capture_fn=address_bound_capture(layer, log))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        layer(x)  # fills the cache
+        assert not layer._inner_hooks()
+        new = type(layer.shared_expert)(32, layer.config.shared_expert_intermediate_size,
+                                        gated=layer.config.shared_expert_gate,
+                                        dtype=layer.config.dtype)
+        new.load_state_dict(layer.shared_expert.state_dict())
+        layer.shared_expert = new
+        new.register_forward_pre_hook(lambda m, args: seen.append(1))
+        assert layer._inner_hooks()
+        close(layer(x), eager(layer, x))
+    assert len(seen) == 2
+
+
 # --- invalidation ----------------------------------------------------------------------------------
 
 def test_weight_swap_recaptures():
