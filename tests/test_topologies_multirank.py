@@ -378,9 +378,8 @@ def test_make_topology_rejects_bad_arguments():
 
 
 def w_wait_bounds(rank, world):
-    """The timeout each bounded collective's wait gets: the call's timeout_s, else the group's
-    own (DistPool's default group: 30 s; a new_group: its timeout_s). Without one an NCCL wait
-    does not block the CPU, so a stalled peer would surface later as a hang."""
+    """The timeout each bounded collective's wait gets: the call's timeout_s, else none (the
+    group's own timeout applies inside the backend: gloo's ops, NCCL's watchdog)."""
     import torch.distributed as dist
 
     from moe_runtime.comm import all_reduce_sum, all_to_all_single, new_group
@@ -407,8 +406,8 @@ def w_wait_bounds(rank, world):
     return [None if w is None else w.total_seconds() for w in waits]
 
 
-def test_collectives_wait_with_the_group_timeout(pools):
-    assert pools(2).run(w_wait_bounds) == [[30.0, 2.5, 1.5, 2.5]] * 2
+def test_collectives_wait_with_the_call_timeout(pools):
+    assert pools(2).run(w_wait_bounds) == [[None, None, 1.5, None]] * 2
 
 
 def test_timeout_s_validated(monkeypatch):
@@ -431,21 +430,3 @@ def test_timeout_s_validated(monkeypatch):
     assert not torch.distributed.is_initialized()
     assert all_reduce_sum(t, timeout_s=0.001) is t
 
-
-def test_nccl_waits_without_timeout_s_stay_stream_ordered(monkeypatch):
-    """timeout_s None on NCCL: work.wait() with no timeout (it orders the stream; a blocking
-    NCCL wait sleeps 1 ms per poll, ~1 ms per collective of a decode step); a given timeout_s
-    still blocks with its bound; gloo always waits with a bound."""
-    from moe_runtime.comm import groups
-    waits = []
-
-    class Work:
-        def wait(self, **kw):
-            waits.append(kw.get("timeout"))
-
-    monkeypatch.setattr(groups, "group_timeout_s", lambda group: 30.0)
-    for backend, timeout_s, want in (("nccl", None, None), ("nccl", 1.5, 1.5), ("gloo", None, 30.0)):
-        monkeypatch.setattr(groups.dist, "get_backend", lambda group, b=backend: b)
-        groups._bounded("step", None, timeout_s, Work)
-        got = waits.pop()
-        assert (got if got is None else got.total_seconds()) == want, (backend, timeout_s, got)

@@ -1,8 +1,9 @@
 """Process groups and bounded collectives over torch.distributed (gloo on CPU, nccl on CUDA).
 
 Every collective here is bounded: the group is created with a timeout, and each call may pass
-its own `timeout_s` (a wait on the async work; None = the group's timeout, so on NCCL too the
-CPU blocks until the work is done or the bound passes). A peer that never joins surfaces as a
+its own `timeout_s` (a CPU-blocking wait on the async work). With None the group's timeout
+applies: gloo ops carry it, and NCCL's watchdog ends a stalled collective with it (the wait then
+only orders the current stream: a blocking NCCL wait polls with 1 ms sleeps). A peer that never joins surfaces as a
 `CollectiveError` naming this rank and the step, never as a hang. After such an error the
 group's state is undefined (gloo closes the pairs): build a new group before using it again.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -43,10 +43,6 @@ def default_backend(device: Optional[torch.device] = None) -> str:
     if device is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-#: timeout_s of the groups init_process_group / new_group made (group_timeout_s reads it).
-_GROUP_TIMEOUT_S: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
 
 
 def check_timeout_s(timeout_s: Optional[float]) -> Optional[float]:
@@ -76,19 +72,6 @@ def _timedelta(timeout_s: Optional[float]) -> datetime.timedelta:
         default_timeout_s() if timeout_s is None else timeout_s))
 
 
-def group_timeout_s(group=None) -> float:
-    """The timeout in seconds of `group` (None: the default group): the one init_process_group
-    or new_group made it with, else (a group made by torch.distributed directly) torch's
-    default timeout for its backend."""
-    pg = dist.group.WORLD if group is None else group
-    if pg in _GROUP_TIMEOUT_S:
-        return _GROUP_TIMEOUT_S[pg]
-    from torch.distributed import constants
-    nccl = dist.get_backend(pg) == "nccl"
-    return (constants.default_pg_nccl_timeout if nccl else constants.default_pg_timeout
-            ).total_seconds()
-
-
 def init_process_group(rank: int, world_size: int, *, backend: Optional[str] = None,
                        init_method: Optional[str] = None, master_addr: str = "127.0.0.1",
                        master_port: Optional[int] = None, timeout_s: Optional[float] = None):
@@ -111,10 +94,8 @@ def init_process_group(rank: int, world_size: int, *, backend: Optional[str] = N
     if init_method is None:
         port = master_port if master_port is not None else int(os.environ.get("MASTER_PORT", 29500))
         init_method = f"tcp://{master_addr}:{port}"
-    timeout = _timedelta(timeout_s)
     dist.init_process_group(backend or default_backend(), init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timeout)
-    _GROUP_TIMEOUT_S[dist.group.WORLD] = timeout.total_seconds()
+                            world_size=world_size, timeout=_timedelta(timeout_s))
     return dist.group.WORLD
 
 
@@ -122,12 +103,8 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] =
               timeout_s: Optional[float] = None):
     """A subgroup with its own timeout (default default_timeout_s(); refused as by
     check_timeout_s). Every rank of the default group must call this."""
-    timeout = _timedelta(timeout_s)
-    group = dist.new_group(list(ranks) if ranks is not None else None, backend=backend,
-                           timeout=timeout)
-    if isinstance(group, dist.ProcessGroup):  # (not a rank outside `ranks`)
-        _GROUP_TIMEOUT_S[group] = timeout.total_seconds()
-    return group
+    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend,
+                          timeout=_timedelta(timeout_s))
 
 
 def _alone(group) -> bool:
@@ -154,19 +131,16 @@ def group_rank_size(group=None) -> tuple[int, int]:
 
 
 def _bounded(step: str, group, timeout_s: Optional[float], start) -> None:
-    """Run `start()` (returns async Work) and wait for it, at most timeout_s (checked by the
-    caller) with the CPU blocked. timeout_s None: the group's timeout; on NCCL the wait then
-    only orders the current stream (a blocking NCCL wait polls with 1 ms sleeps: ~1 ms per
-    collective on a decode step) and a stalled peer is ended by NCCL's watchdog at the group
-    timeout. Names the step on failure: raises CollectiveError."""
-    seconds = group_timeout_s(group) if timeout_s is None else timeout_s
-    what = f"{seconds}s" + (" (the group timeout)" if timeout_s is None else "")
+    """Run `start()` (returns async Work) and wait for it: CPU-blocking with timeout_s (checked
+    by the caller), else with the group's timeout (module docstring). Names the step on
+    failure: raises CollectiveError."""
+    what = "the group timeout" if timeout_s is None else f"{timeout_s}s"
     try:
         work = start()
-        if timeout_s is None and "nccl" in str(dist.get_backend(group)).lower():
+        if timeout_s is None:
             work.wait()
         else:
-            work.wait(timeout=datetime.timedelta(seconds=seconds))
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # gloo/nccl raise RuntimeError subclasses with backend text
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         raise CollectiveError(f"rank {rank}/{world}: collective '{step}' failed or timed out "
