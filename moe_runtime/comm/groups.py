@@ -1,10 +1,11 @@
 """Process groups and bounded collectives over torch.distributed (gloo on CPU, nccl on CUDA).
 
 Every collective here is bounded: the group is created with a timeout, and each call may pass
-its own `timeout_s` (a CPU-blocking wait on the async work). With None the group's timeout
-applies: gloo ops carry it, and NCCL's watchdog ends a stalled collective with it (the wait then
-only orders the current stream: a blocking NCCL wait polls with 1 ms sleeps). A peer that never joins surfaces as a
-`CollectiveError` naming this rank and the step, never as a hang. After such an error the
+its own `timeout_s` (a CPU-blocking wait on the async work). A peer that never joins then
+surfaces as a `CollectiveError` naming this rank and the step, never as a hang. With
+timeout_s None the group's timeout applies: gloo ops carry it (same CollectiveError); on NCCL
+the wait only orders the current stream (a blocking NCCL wait polls with 1 ms sleeps) and
+NCCL's watchdog aborts a stalled collective at the group timeout. After such an error the
 group's state is undefined (gloo closes the pairs): build a new group before using it again.
 
 `group=None` means the default group; when torch.distributed is not initialized it means a
