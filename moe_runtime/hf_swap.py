@@ -194,7 +194,8 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         n_group=router.num_group if sigmoid else 1, topk_group=router.topk_group if sigmoid else 1,
         routed_scaling_factor=float(router.routed_scaling_factor) if sigmoid else 1.0,
         use_correction_bias=getattr(router, "e_score_correction_bias", None) is not None,
-        shared_expert_intermediate_size=shared_size, shared_expert_gate=fam.shared_gate is not None and shared_size > 0,
+        shared_expert_intermediate_size=shared_size,
+        shared_expert_gate=fam.shared_gate is not None and shared_size > 0,
         router_logits_fp32=fam.router_logits_fp32, dtype=experts.gate_up_proj.dtype)
 
 

@@ -514,19 +514,21 @@ class PeerBuffers:
         (the counters advance identically everywhere). Host-synchronous, two bounded gathers:
         no rank zeroes before every rank's kernels are done, none writes a flag before every
         owner zeroed."""
-        steps = ("peer buffers: epoch restart (quiesce)", "peer buffers: epoch restart (zeroed)")
-        for i, step in enumerate(steps):
-            if i:
-                for r in range(self.n_local):
-                    for f in EPOCH_FIELDS:
-                        self.view(f, r).zero_()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if self.group is not None:
-                with _on_device(self.device):
-                    all_gather_object(None, group=self.group, step=step)
+        self._quiesce("epoch restart (kernels done)")
+        for r in range(self.n_local):
+            for f in EPOCH_FIELDS:
+                self.view(f, r).zero_()
+        self._quiesce("epoch restart (zeroed)")
         self.epoch = 0
         self.sig_epoch = 0
+
+    def _quiesce(self, step: str) -> None:
+        """Wait for this rank's device work, then for every rank to get here (bounded gather)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.group is not None:
+            with _on_device(self.device):
+                all_gather_object(None, group=self.group, step=f"peer buffers: {step}")
 
     def errors(self, also: Sequence[torch.Tensor] = ()) -> tuple[list[dict], list[int]]:
         """Error words of the local ranks, and the values of the int32 scalar tensors `also`
@@ -559,11 +561,7 @@ class PeerBuffers:
         a bounded collective; buffers shared by several topologies need ONE reset per rank)."""
         for h in self.peer_heaps + self.local_heaps:
             h.zero_()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.group is not None:  # no peer may write into a heap before its owner zeroed it
-            with _on_device(self.device):
-                all_gather_object(None, group=self.group, step="peer buffers: reset")
+        self._quiesce("reset")  # no peer may write into a heap before its owner zeroed it
         self.epoch = 0
         self.sig_epoch = 0
         self.broken = None
