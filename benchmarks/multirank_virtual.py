@@ -9,7 +9,10 @@ protocol overhead, not NVLink speed. Per (W, tokens per rank T):
 Timing: `gpu us` = GPU time per call with the launches queued behind a sleep kernel (host cost
 hidden); `host us` = wall time per call of the eager Python call (TVM-FFI launches, no sync).
 Bytes moved = rows that cross between ranks (dispatch/combine: W*T*k rows of H; one-shot:
-W*(W-1)*T*H; two-shot: 2*(W-1)*T*H elements). Never asserts a time.
+W*(W-1)*T*H; two-shot: 2*(W-1)*T*H elements). Ceilings measured in the same run: the device copy
+bandwidth (local_dispatch_combine.copy_bandwidth, read + write counted; `of copy` = 2 * bytes
+moved / time over it, each moved byte being read and written once on this one GPU) and the
+graph-replayed empty kernel (the floor of any launch). Never asserts a time.
 
     python3 benchmarks/multirank_virtual.py                     # H 7168, k 8, E 256, bf16
     python3 benchmarks/multirank_virtual.py --worlds 2 --tokens 128 --iters 5
@@ -28,6 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moe_runtime.comm import peer_buffers as pb  # noqa: E402
 from moe_runtime.comm.virtual import VirtualRanks  # noqa: E402
@@ -188,6 +192,8 @@ def main(argv=None):
         return 0
     if a.real:
         return real_mode(a)
+    from local_dispatch_combine import copy_bandwidth, empty_kernel_us
+    bw, empty = copy_bandwidth()["best"], empty_kernel_us()
     rows = []
     for W in a.worlds:
         try:
@@ -195,22 +201,27 @@ def main(argv=None):
         except Exception as ex:  # report and go on with the next W
             print(f"  W={W}: FAILED {type(ex).__name__}: {ex}", flush=True)
             rows.append(dict(W=W, op="error", error=f"{type(ex).__name__}: {ex}"))
-    meta = dict(device=torch.cuda.get_device_name(), hidden=a.hidden, topk=a.topk,
+    for r in rows:
+        if "gpu_us" in r:
+            r["of_copy_bw"] = 2 * r["bytes"] / (r["gpu_us"] * 1e-6) / bw
+    meta = dict(device=torch.cuda.get_device_name(), copy_bw=bw, empty_kernel_us=empty,
+                hidden=a.hidden, topk=a.topk,
                 experts=a.experts, dtype="bfloat16", iters=a.iters, note="virtual ranks on one "
                 "GPU: HBM stands in for NVLink (functional proxy)")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"\n# {meta['device']}, H={a.hidden} k={a.topk} E={a.experts} bf16, {a.iters} calls each;"
-          f" JSON: {a.out}")
+          f" copy {bw / 1e12:.2f} TB/s, graph-replayed empty kernel {empty:.2f} us; JSON: {a.out}")
     print(f"{'W':>2} {'T/rank':>6} {'op':<22} {'mode':<8} {'gpu us':>9} {'host us':>9} "
-          f"{'MiB moved':>10} {'GB/s':>8}")
+          f"{'MiB moved':>10} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
         if r.get("op") == "error":
             print(f"{r['W']:>2} {'':>6} ERROR {r['error'][:100]}")
             continue
         print(f"{r['W']:>2} {r['T']:>6} {r['op']:<22} {r['mode']:<8} {r['gpu_us']:>9.1f} "
-              f"{r['host_us']:>9.1f} {r['bytes'] / 2**20:>10.1f} {r['gbps']:>8.1f}")
+              f"{r['host_us']:>9.1f} {r['bytes'] / 2**20:>10.1f} {r['gbps']:>8.1f} "
+              f"{r['of_copy_bw']:>8.2f}")
     return 0
 
 
