@@ -28,30 +28,33 @@ from local_dispatch_combine import copy_bandwidth  # noqa: E402
 from moe_layer import matmul_flops, timed_us  # noqa: E402
 
 TOKENS = (256, 1024, 4096, 16384)
-# (tile_m, tile_n, pingpong, cluster_m, cluster_n) tried by --sweep, static and dynamic scheduler
-SWEEP = ((128, 192, True, 1, 2), (128, 192, True, 2, 1), (128, 128, True, 1, 2),
-         (256, 128, False, 1, 2), (128, 256, False, 2, 1), (64, 256, True, 1, 1))
+# (tile_m, tile_n, pingpong, cluster_m, cluster_n) tried by --sweep for each GEMM on its own
+SWEEP = ((128, 128, True, 1, 2), (128, 192, True, 1, 2), (128, 192, True, 2, 1),
+         (128, 256, False, 1, 2), (192, 128, True, 1, 2), (256, 128, False, 1, 2),
+         (256, 192, False, 1, 2), (128, 128, True, 2, 1))
 
 
 def sweep_configs(ex, off, fast: Experts) -> dict:
-    """µs of gate_up+SwiGLU and down for each quack configuration in SWEEP."""
+    """{"gate_up": {config: µs}, "down": {config: µs}}: each GEMM timed alone per SWEEP entry."""
     from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_act
     cap = torch.cuda.get_device_capability()[0]
-    out = {}
+    out = {"gate_up": {}, "down": {}}
     for m, n, pp, cm, cn in SWEEP:
-        for dyn in (False, True):
-            cfg = GemmConfig(tile_m=m, tile_n=n, pingpong=pp, cluster_m=cm, cluster_n=cn,
-                             is_dynamic_persistent=False, device_capacity=cap)
-            kw = dict(cu_seqlens_m=off, store_preact=False, tuned=False, config=cfg,
-                      dynamic_scheduler=dyn)
-            act = gemm_act(ex, fast.gate_up_proj.transpose(-2, -1), activation="swiglu",
-                           concat_layout=("B",), **kw)[1]
-            us = timed_us(lambda x: (gemm_act(x, fast.gate_up_proj.transpose(-2, -1),
-                                              activation="swiglu", concat_layout=("B",), **kw),
-                                     gemm_act(act, fast.down_proj.transpose(-2, -1),
-                                              activation=None, **kw)), [ex])
-            out[f"{m}x{n}{'pp' if pp else 'coop'}_c{cm}x{cn}{'_dyn' if dyn else ''}"] = us
+        cfg = GemmConfig(tile_m=m, tile_n=n, pingpong=pp, cluster_m=cm, cluster_n=cn,
+                         is_dynamic_persistent=False, device_capacity=cap)
+        kw = dict(cu_seqlens_m=off, store_preact=False, tuned=False, config=cfg)
+        name = f"{m}x{n}{'pp' if pp else 'coop'}_c{cm}x{cn}"
+        try:
+            def gate_up(x):
+                return gemm_act(x, fast.gate_up_proj.transpose(-2, -1), activation="swiglu",
+                                concat_layout=("B",), **kw)[1]
+            act = gate_up(ex)
+            out["gate_up"][name] = timed_us(gate_up, [ex])
+            out["down"][name] = timed_us(lambda a: gemm_act(a, fast.down_proj.transpose(-2, -1),
+                                                            activation=None, **kw), [act])
+        except Exception as e:  # a configuration quack rejects for this shape: record, go on
+            out["gate_up"][name] = out["down"][name] = f"{type(e).__name__}: {e}"[:200]
     return out
 
 
@@ -96,8 +99,12 @@ def main(argv=None) -> None:
         print(f"{r['shape']:15s} {r['T']:6d} {r['quack_us']:9.1f} {r['torch_us']:9.1f} "
               f"{r['torch_us'] / r['quack_us']:7.2f}x {r['flops_floor_us']:9.1f} "
               f"{r['bytes_floor_us']:9.1f} {r['quack_us'] / floor:7.2f}x {r['rel_diff']:8.1e}")
-        for cfg, us in r.get("sweep_us", {}).items():
-            print(f"    {cfg:28s} {us:9.1f}")
+        for gemm, cfgs in r.get("sweep_us", {}).items():
+            timed = {c: us for c, us in cfgs.items() if isinstance(us, float)}
+            best = min(timed, key=timed.get) if timed else None
+            print(f"    {gemm:8s} " + "  ".join(f"{c} {us:.1f}" if isinstance(us, float) else
+                                               f"{c} failed" for c, us in cfgs.items())
+                  + (f"  | best {best}" if best else ""))
 
 
 if __name__ == "__main__":

@@ -174,8 +174,9 @@ class Experts(nn.Module):
             act = ops.expert_gemv(expert_x, expert_offsets, self.gate_up_proj, swiglu=True)
             return ops.expert_gemv(act, expert_offsets, self.down_proj, swiglu=False)
         if self._quack(expert_x.device, expert_x.dtype):
-            act = swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj)
-            return grouped_gemm(act, expert_offsets, self.down_proj)
+            act = swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj,
+                                      expected_rows=expected_rows)
+            return grouped_gemm(act, expert_offsets, self.down_proj, expected_rows=expected_rows)
         grouped = self._grouped(expert_x.device, expert_x.dtype)
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)

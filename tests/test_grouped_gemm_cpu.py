@@ -38,3 +38,20 @@ def test_quack_is_not_supported_without_cuda_or_for_fp32():
     assert not gg.quack_supported(None, torch.float32)
     if not torch.cuda.is_available():
         assert not gg.quack_supported(None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows_per_expert,gemm,want", [
+    (128, "gate_up", gg.ONE_TILE_192), (128, "down", gg.ONE_TILE_192),  # DeepSeek-V3, T=4096
+    (97, "down", gg.ONE_TILE_192), (176, "gate_up", gg.ONE_TILE_192),   # the band's edges
+    (96, "gate_up", gg.GATE_UP_TILE), (96, "down", gg.DOWN_TILE),
+    (256, "gate_up", gg.GATE_UP_TILE), (256, "down", gg.DOWN_TILE),     # Qwen3-30B-A3B, T=4096
+    (0.5, "gate_up", gg.GATE_UP_TILE), (4096, "down", gg.DOWN_TILE),
+])
+def test_tile_follows_rows_per_expert(rows_per_expert, gemm, want):
+    assert gg.tile_config(rows_per_expert, gemm) == want
+    assert gg.GATE_UP_TILE != gg.DOWN_TILE != gg.ONE_TILE_192  # the rule picks among distinct tiles
+
+
+def test_tile_config_rejects_unknown_gemm():
+    with pytest.raises(ValueError, match="gate_up"):
+        gg.tile_config(128, "up")

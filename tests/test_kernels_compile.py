@@ -46,12 +46,14 @@ V4_LD = r"ld\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
 V4_ST = r"st\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
 FACTS = {
     "dispatch_decode": [V4_LD, V4_ST, r"vote\.sync\.ballot\.b32", r"popc\.b32", r"bar\.warp\.sync",
-                        r"bar\.sync"],
+                        r"bar\.sync", r"griddepcontrol\.wait"],
     "dispatch_slots": [r"atom\.shared\.add", r"atom\.global(\.acq_rel)?(\.gpu)?\.add",
-                       r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"ld\.relaxed\.gpu\.global"],
-    "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx"],
+                       r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"ld\.relaxed\.gpu\.global",
+                       r"griddepcontrol\.launch_dependents"],
+    "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"griddepcontrol\.wait"],
     "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32"],
-    "route": [r"shfl\.sync\.bfly", r"atom\.shared\.add", r"atom\.global\.acq_rel(\.gpu)?\.add\.u32"],
+    "route": [r"shfl\.sync\.bfly", r"atom\.shared\.add", r"atom\.global\.acq_rel(\.gpu)?\.add\.u32",
+              r"griddepcontrol\.launch_dependents"],
     "expert_gemv": [V4_LD, r"shfl\.sync\.bfly", r"redux\.sync\.add", r"fma\.rn\.f32|add\.f32"],
     "barrier_probe": [r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32"],
 }
@@ -231,6 +233,8 @@ def test_ptx_checker_rejects_scalar_copies():
     scalar = "ld.global.b16 %rs1, [%rd1];\nst.global.b16 [%rd2], %rs1;\nshfl.sync.idx.b32 ..."
     assert "missing" in _ptx_problems("dispatch_copy", (), scalar)
     vector = "ld.global.v4.b32 {%r1,%r2,%r3,%r4}, [%rd1];\nst.global.v4.b32 [%rd2], {...};\nshfl.sync.idx.b32"
+    assert "griddepcontrol" in _ptx_problems("dispatch_copy", (), vector)  # PDL wait missing
+    vector += "\ngriddepcontrol.wait;"
     assert _ptx_problems("dispatch_copy", (), vector) is None
     assert _ptx_problems("dispatch_copy", (), vector + "\n.local .align 4 .b8 __local_depot0[16];")
     decode = vector + "\nvote.sync.ballot.b32 %r1, %p2, -1;\npopc.b32 %r3, %r1;\nbar.warp.sync -1;\nbar.sync 0;"

@@ -3,9 +3,11 @@
 Specialization (constexpr): dtype, H hidden, E local experts, K top-k, WARPS per block, V
 vectors per lane per segment. Dynamic: T tokens, N output rows.
 One warp per (token, row segment), grid = ceil(T * NSEG / WARPS) (as large as the data needs):
-lanes j < K turn rank[t, j] (launch 1, dispatch_slots.py) into slot = offset[e] + rank and
-broadcast the K slots by shuffles; the warp loads the token's segment ONCE (128-bit loads) and
-stores it to each of its local slots. Segment 0's warp writes token_slot.
+the warp loads the token's segment ONCE (128-bit loads); launched as a programmatic dependent
+launch of launch 1 (dispatch_slots.py), it does so while launch 1 still runs, then waits for it
+(griddepcontrol.wait); lanes j < K turn rank[t, j] into slot = offset[e] + rank and broadcast
+the K slots by shuffles, and the warp stores the segment to each of its local slots. Segment
+0's warp writes token_slot.
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
     NV = H // VEC
     lane = cute.arch.lane_idx()
     t, seg = warp_unit(WARPS, num_segments(H, mX.element_type, V))
+    frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
+    if t < mX.shape[0]:
+        load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, NV)
+    cute.arch.griddepcontrol_wait()  # launch 1 complete: rank and offsets are final
     if t < mX.shape[0]:
         slot = Int32(-1)
         if lane < K:
@@ -34,8 +40,6 @@ def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
                 slot = mOffsets[e] + mRank[t, lane]
             if seg == 0:
                 mSlot[t, lane] = slot
-        frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
-        load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, NV)
         for j in cutlass.range_constexpr(K):
             dst = cute.arch.shuffle_sync(slot, offset=j)
             if dst >= 0:
@@ -47,8 +51,9 @@ def dispatch_copy(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor, mOffse
                   mOut: cute.Tensor, mSlot: cute.Tensor, expert_start: Int32, stream,
                   H: Constexpr[int], E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int],
                   V: Constexpr[int]):
-    """x [T,H] + rank/offsets from launch 1 -> out [N,H], slot int32 [T,K]."""
+    """x [T,H] + rank/offsets from launch 1 -> out [N,H], slot int32 [T,K]; a programmatic
+    dependent launch (use_pdl) of launch 1."""
     nseg = num_segments(H, mX.element_type, V)
     dispatch_copy_kernel(mX, mIds, mRank, mOffsets, mOut, mSlot, expert_start, H, E, K, WARPS,
                          V).launch(grid=(cute.ceil_div(mX.shape[0] * nseg, WARPS), 1, 1),
-                                   block=(WARPS * 32, 1, 1), stream=stream)
+                                   block=(WARPS * 32, 1, 1), stream=stream, use_pdl=True)

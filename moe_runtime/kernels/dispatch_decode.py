@@ -23,6 +23,10 @@ sizes), so blocks never wait for each other:
      segment once (128-bit loads; its first unit is loaded before step 1, overlapping the
      ids' latency) and stores it to each of the token's local slots; the unit with segment 0
      writes the token's row of token_slot.
+Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
+its dependents start at once) its blocks start early, load their first x segment (x is older
+than the ids) and wait for the previous launch (griddepcontrol.wait) before reading the ids
+and before any store. After any other launch the wait returns when that one is complete.
 Shared memory: hist int32 [WARPS, E], slot int32 [MAX_ITEMS], (E + 1) offsets.
 """
 from __future__ import annotations
@@ -71,6 +75,7 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
     t0 = uc // NSEG
     frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
     load_segment(row_vectors(mX[t0, None], VEC), frag, lane, uc - t0 * NSEG, V, NV)
+    cute.arch.griddepcontrol_wait()  # PDL: the previous launch (the router) is complete
 
     # the warp's ids, all loads issued before any use (in range, no branch; chunks past ch
     # re-read chunk 0's line); ev[c] = local expert of item (warp * ch + c) * 32 + lane, or -1
@@ -177,4 +182,4 @@ def dispatch_decode(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor, mOffs
     grid = cutlass.min(cute.ceil_div(units, WARPS), max_grid)
     dispatch_decode_kernel(mX, mIds, mOut, mOffsets, mSlot, expert_start, align, H, E, K, WARPS,
                            V, MAX_ITEMS).launch(grid=(grid, 1, 1), block=(WARPS * 32, 1, 1),
-                                                stream=stream)
+                                                stream=stream, use_pdl=True)

@@ -9,7 +9,10 @@ Grid-stride over the flattened (t, j) items:
   * the block that finishes last (sync/grid_barrier.last_block_arrive) scans the padded counts
     into expert_offsets [E+1] and clears the counters for the next launch.
 Workspace int32 [workspace_words(E)]: [0] arrival counter, [4 : 4 + E] counts; zero between
-launches. Launch 2 (dispatch_copy.py) turns ranks into slots and copies the rows.
+launches. Launch 2 (dispatch_copy.py) turns ranks into slots and copies the rows; it is a
+programmatic dependent launch (PDL): every block here lets it start at once
+(griddepcontrol.launch_dependents), so its blocks load their x rows while this launch runs and
+wait (griddepcontrol.wait: this grid complete, its writes visible) only before reading ranks.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.
     bidx, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     n_items = mIds.shape[0] * K
+    cute.arch.griddepcontrol_launch_dependents()  # launch 2 may start loading x rows now
 
     smem = cutlass.memory.SmemAllocator()
     s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)

@@ -19,13 +19,39 @@ import importlib.util
 
 import torch
 
-# One tile configuration for every shape: 128x192 tiles, ping-pong warpgroups, a 1x2 cluster
-# (B tiles multicast to the CTA pair), static persistent schedule. In the sweep of
-# benchmarks/grouped_gemm.py on the H200 it was the best or within 6% of the best of 12
-# (tile 64x256 .. 256x128, cooperative/ping-pong, clusters 2x1/1x2, static/dynamic scheduler) on
-# Qwen3-30B-A3B, DeepSeek-V3 and Mixtral at T = 256 and 4096, and quack's default (cluster 2x1)
-# was up to 50% slower on DeepSeek-V3 at T=256.
-TILE_M, TILE_N, CLUSTER_M, CLUSTER_N = 128, 192, 1, 2
+# Tile configurations (tile_m, tile_n, pingpong, cluster_m, cluster_n; static persistent
+# schedule; the cluster pair shares A tiles by multicast), picked per GEMM from the rows each
+# expert is expected to get, r = rows / E (host-side, no sync). Every expert's rows are
+# computed in whole M tiles, so r decides the padding: at r ~ 128 (DeepSeek-V3, T = 4096) a
+# 128-row tile needs two tiles for the half of the experts above 128 rows while one 192-row
+# tile holds nearly all of them (P(rows > 192) ~ 0 for binomial routing), and the weights of
+# most experts are read once. Measured with `benchmarks/grouped_gemm.py --sweep` on the H200
+# (bf16, random routing; 8 configurations x Qwen3-30B-A3B / DeepSeek-V3 / Mixtral x T = 256,
+# 1024, 4096, 16384, i.e. r = 8 .. 4096):
+#   * r in ONE_TILE_192_ROWS: 192x128 ping-pong for both GEMMs, DeepSeek-V3 T = 4096
+#     gate/up 4760 instead of 6040 us, down 2398 instead of 2569 us; at r = 64 and r = 256 it
+#     lost by 10-40%;
+#   * otherwise gate/up 128x192 ping-pong (best or within 3% of the best in 9 of 12 cases);
+#     down 128x128 ping-pong (best or within 3% in all 12; 2-10% faster than 128x192 in 9).
+GATE_UP_TILE = (128, 192, True, 1, 2)
+DOWN_TILE = (128, 128, True, 1, 2)
+ONE_TILE_192 = (192, 128, True, 1, 2)
+ONE_TILE_192_ROWS = (96, 176)  # r in (lo, hi]: one 192-row tile for nearly every expert
+
+
+def tile_config(rows_per_expert: float, gemm: str) -> tuple[int, int, bool, int, int]:
+    """The quack tile configuration for `gemm` ("gate_up" or "down") when experts expect
+    `rows_per_expert` rows on average (see ONE_TILE_192_ROWS).
+
+    Raises:
+        ValueError: an unknown gemm name.
+    """
+    if gemm not in ("gate_up", "down"):
+        raise ValueError(f"gemm must be 'gate_up' or 'down', got {gemm!r}")
+    lo, hi = ONE_TILE_192_ROWS
+    if lo < rows_per_expert <= hi:
+        return ONE_TILE_192
+    return GATE_UP_TILE if gemm == "gate_up" else DOWN_TILE
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,11 +72,12 @@ def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _config(device_index: int):
+def _config(device_index: int, tile: tuple[int, int, bool, int, int]):
     from quack.gemm_config import GemmConfig
     major = torch.cuda.get_device_capability(device_index)[0]
-    return GemmConfig(tile_m=TILE_M, tile_n=TILE_N, pingpong=True, cluster_m=CLUSTER_M,
-                      cluster_n=CLUSTER_N, is_dynamic_persistent=False, device_capacity=major)
+    m, n, pingpong, cm, cn = tile
+    return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn,
+                      is_dynamic_persistent=False, device_capacity=major)
 
 
 def _check(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> None:
@@ -69,22 +96,27 @@ def _check(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> None:
                          f"{offsets.device}, {w.device}")
 
 
-def _run(x: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor, activation) -> torch.Tensor:
+def _run(x: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor, activation,
+         expected_rows: int | None) -> torch.Tensor:
     from quack.gemm_interface import gemm_act
     kw = dict(concat_layout=("B",)) if activation == "swiglu" else {}
+    rows = x.shape[0] if expected_rows is None else expected_rows
+    tile = tile_config(rows / b.shape[0], "gate_up" if activation == "swiglu" else "down")
     _, out = gemm_act(x.contiguous(), b, activation=activation, cu_seqlens_m=offsets,
-                      store_preact=False, tuned=False, config=_config(x.device.index), **kw)
+                      store_preact=False, tuned=False, config=_config(x.device.index, tile), **kw)
     return out
 
 
 def swiglu_grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor,
-                        gate_up_proj: torch.Tensor) -> torch.Tensor:
+                        gate_up_proj: torch.Tensor, *, expected_rows: int | None = None
+                        ) -> torch.Tensor:
     """act[r] = silu(x[r] @ Wg[e].T) * (x[r] @ Wu[e].T) for the rows r of expert e.
 
     Args:
         x: [N, H] bf16/fp16 expert-major rows; expert e owns rows [offsets[e], offsets[e+1]).
         expert_offsets: int32 [E + 1] on x's device (offsets[0] = 0, non-decreasing).
         gate_up_proj: [E, 2I, H] in x.dtype (gate rows, then up rows).
+        expected_rows: host estimate of offsets[E] (None: N); picks the tile (`tile_config`).
 
     Returns:
         [N, I] in x.dtype (fp32 accumulation; rows past offsets[E] unspecified).
@@ -93,16 +125,18 @@ def swiglu_grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor,
         ValueError / TypeError: mismatched shapes, dtypes or devices; non-contiguous weights.
     """
     _check(x, expert_offsets, gate_up_proj)
-    return _run(x, expert_offsets, gate_up_proj.transpose(-2, -1), "swiglu")
+    return _run(x, expert_offsets, gate_up_proj.transpose(-2, -1), "swiglu", expected_rows)
 
 
-def grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor, *,
+                 expected_rows: int | None = None) -> torch.Tensor:
     """out[r] = x[r] @ W[e].T for the rows r of expert e.
 
     Args:
         x: [N, K] bf16/fp16 expert-major rows; expert e owns rows [offsets[e], offsets[e+1]).
         expert_offsets: int32 [E + 1] on x's device.
         weight: [E, M, K] in x.dtype (HF layout: out-features first).
+        expected_rows: host estimate of offsets[E] (None: N); picks the tile (`tile_config`).
 
     Returns:
         [N, M] in x.dtype (fp32 accumulation; rows past offsets[E] unspecified).
@@ -111,4 +145,4 @@ def grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Te
         ValueError / TypeError: mismatched shapes, dtypes or devices; non-contiguous weights.
     """
     _check(x, expert_offsets, weight)
-    return _run(x, expert_offsets, weight.transpose(-2, -1), None)
+    return _run(x, expert_offsets, weight.transpose(-2, -1), None, expected_rows)

@@ -16,6 +16,8 @@ each of the K rounds is a lane-local arg-max then a 5-step butterfly arg-max on
 Counts: a shared-memory histogram per block, one global atomic per (block, expert), and the last
 block (sync/grid_barrier.last_block_arrive) copies the totals to `counts` and clears them.
 Workspace int32 [workspace_words(E)]: [0] arrival counter, [4 : 4 + E] counts.
+Every block lets the next launch start at once (griddepcontrol.launch_dependents, PDL): the
+decode dispatch (dispatch_decode.py) then overlaps its start and its x loads with this kernel.
 """
 from __future__ import annotations
 
@@ -79,6 +81,9 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
     neg_inf = -Float32.inf
+    # the next launch (decode dispatch, a programmatic dependent launch) may start now: it
+    # loads its x rows and waits for this grid before reading the ids
+    cute.arch.griddepcontrol_launch_dependents()
 
     smem = cutlass.memory.SmemAllocator()
     s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)

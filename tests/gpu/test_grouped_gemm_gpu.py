@@ -31,9 +31,10 @@ CASES = [  # (H, I, E, rows per expert)
 ]
 
 
+@pytest.mark.parametrize("rows_hint", [None, 128, 1024])  # per expert; picks the tile (tile_config)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,I,E,counts", CASES)
-def test_grouped_gemms_match_float64(H, I, E, counts, dtype):
+def test_grouped_gemms_match_float64(H, I, E, counts, dtype, rows_hint):
     g = torch.Generator(device="cuda").manual_seed(H * 31 + I * 7 + E)
     if counts == "random":
         counts = torch.bincount(torch.randint(0, E, (2048 * 8,), generator=g, device="cuda"),
@@ -44,11 +45,12 @@ def test_grouped_gemms_match_float64(H, I, E, counts, dtype):
     x = torch.randn(N, H, device="cuda", generator=g).to(dtype)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).to(dtype)
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).to(dtype)
-    act = gg.swiglu_grouped_gemm(x, offsets, w13)
+    hint = None if rows_hint is None else rows_hint * E
+    act = gg.swiglu_grouped_gemm(x, offsets, w13, expected_rows=hint)
     assert act.shape == (N, I) and act.dtype == dtype
     ref_act = reference.expert_gemv(x.double(), offsets, w13.double(), swiglu=True)[:n_used]
     assert _rel_err(act[:n_used], ref_act) <= 1e-2
-    y = gg.grouped_gemm(act, offsets, w2)
+    y = gg.grouped_gemm(act, offsets, w2, expected_rows=hint)
     ref_y = reference.expert_gemv(act.double(), offsets, w2.double(), swiglu=False)[:n_used]
     assert y.shape == (N, H) and _rel_err(y[:n_used], ref_y) <= 1e-2
 
