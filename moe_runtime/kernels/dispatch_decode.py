@@ -24,9 +24,9 @@ sizes), so blocks never wait for each other:
      ids' latency) and stores it to each of the token's local slots; the unit with segment 0
      writes the token's row of token_slot.
 Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
-its dependents start at once) its blocks start early, load their first x segment (x is older
-than the ids) and wait for the previous launch (griddepcontrol.wait) before reading the ids
-and before any store. After any other launch the wait returns when that one is complete.
+its dependents start at once) its blocks are resident early and wait for the previous launch
+(griddepcontrol.wait) before any global access: x may be the output of any earlier kernel,
+which is complete only then.
 Shared memory: hist int32 [WARPS, E], slot int32 [MAX_ITEMS], (E + 1) offsets.
 """
 from __future__ import annotations
@@ -68,6 +68,7 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
     s_off = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
     s_warp = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
 
+    cute.arch.griddepcontrol_wait()  # PDL: the previous launch (the router) is complete
     # first copy unit of this warp: its row segment does not depend on the ids, load it now
     u0 = bidx * WARPS + warp
     n_units = T * NSEG
@@ -75,7 +76,6 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
     t0 = uc // NSEG
     frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
     load_segment(row_vectors(mX[t0, None], VEC), frag, lane, uc - t0 * NSEG, V, NV)
-    cute.arch.griddepcontrol_wait()  # PDL: the previous launch (the router) is complete
 
     # the warp's ids, all loads issued before any use (in range, no branch; chunks past ch
     # re-read chunk 0's line); ev[c] = local expert of item (warp * ch + c) * 32 + lane, or -1

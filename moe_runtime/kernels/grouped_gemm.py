@@ -3,9 +3,10 @@
 quack's varlen-M GEMM takes the expert segment starts as `cu_seqlens_m` (device int32, no host
 read) and fuses SwiGLU into the gate/up GEMM's epilogue, so the [N, 2I] gate/up activations are
 never written: against torch._grouped_mm + silu(gate) * up on the H200 (bf16, random routing,
-benchmarks/grouped_gemm.py) the two GEMMs take 625 µs instead of 828 µs for Qwen3-30B-A3B at
-T=4096, 322 instead of 441 µs at T=256, 9.0 instead of 11.0 ms for DeepSeek-V3 at T=4096 and
-4.8 instead of 5.4 ms for Mixtral at T=4096.
+benchmarks/grouped_gemm.py, one 128x192 tile for both GEMMs) the two GEMMs took 646 µs instead
+of 884 µs for Qwen3-30B-A3B at T=4096, 308 instead of 437 µs at T=256, 8.7 instead of 10.3 ms
+for DeepSeek-V3 at T=4096 and 4.3 instead of 5.2 ms for Mixtral at T=4096; the per-GEMM tiles
+below (`tile_config`) bring DeepSeek-V3 at T=4096 to 4.8 + 2.4 ms (GEMMs timed alone).
 
 Layouts are HF transformers' fused expert weights (experts.py): gate_up_proj [E, 2I, H] with the
 gate rows first, down_proj [E, H, I]. They enter quack as the transposed views [E, H, 2I] and
