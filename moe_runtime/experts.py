@@ -218,4 +218,9 @@ class SharedExpert(nn.Module):
 
 
 def _as_parameter(t: torch.Tensor) -> nn.Parameter:
-    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+    """t itself when it is a Parameter (shared HF weights keep their requires_grad), else a
+    Parameter on t's storage, trainable like the router's nn.Linear weight unless t is an
+    inference tensor made under torch.inference_mode() (those cannot require grad outside it)."""
+    if isinstance(t, nn.Parameter):
+        return t
+    return nn.Parameter(t, requires_grad=not t.is_inference() or torch.is_inference_mode_enabled())

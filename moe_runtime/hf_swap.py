@@ -119,7 +119,8 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
         ValueError: the model holds an MoE block (a module with an `experts` child) of a class
             not in the module docstring's table (the message names it and lists the supported
             ones), a supported block that deviates from the supported form (activation other than
-            SiLU, unfused or biased experts, pre-5.0 transformers layout), or no MoE block at all.
+            SiLU, unfused or biased experts, pre-5.0 transformers layout), a block whose weights
+            are on the meta device (not loaded yet), or no MoE block at all.
             Nothing is replaced when it raises. Errors of MoELayer / the topology pass through.
     """
     bad = sorted(set(kw) - set(_LAYER_KWARGS))
@@ -202,6 +203,13 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
 
 def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer:
     """A MoELayer whose parameters and buffers are the block's own tensors (no copies)."""
+    meta = [n for n, t in (*block.named_parameters(), *block.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"{fam.name} block {type(block).__name__}: tensors {meta[:4]} are on the meta device "
+            "(a model built under torch.device('meta') or with empty weights); the swap shares "
+            "the block's weights, so load or materialize them first (from_pretrained, or "
+            "model.to_empty(device=...) and load_state_dict) and then call swap_moe_layers")
     cfg = _config(fam, block)
     layer = MoELayer(cfg, topology=topology, device="meta", **kw)
     layer.router.weight = block.gate.weight

@@ -9,9 +9,8 @@ from torch import nn
 from .config import MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
-from .kernels import resolve_backend
+from .kernels import _log_once, check_backend_name, differentiable_kernels, resolve_backend
 from .routing import Router
-from .kernels import check_backend_name
 from .topologies.base import Topology
 
 
@@ -42,6 +41,12 @@ class MoELayer(nn.Module):
     stays 1 by default on CUDA too. The experts choose their kernels from the rows the topology
     expects this rank to use (DispatchResult.expected_rows: under `tp` T*k/W of the T*k
     capacity rows), so `tp` decode keeps the GEMV without reading the real count on the host.
+
+    Training: a forward that autograd must record (gradients enabled and the input or a
+    parameter requires grad; parameters do by default, as in nn.Linear) on the `local` topology
+    runs the torch reference kernels, which are differentiable, whatever `backend` "auto"
+    would pick (logged once on CUDA); with backend "cute" it raises ValueError instead. Run
+    inference under torch.inference_mode() or torch.no_grad() to get the CuTeDSL kernels.
 
     Raises:
         ValueError / TypeError: bad config, topology name, or input shape/dtype/device.
@@ -220,8 +225,24 @@ class MoELayer(nn.Module):
         if hidden_states.dtype != c.dtype:
             raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, c.hidden_size)
+        if self._records_autograd(x):
+            if x.is_cuda:
+                _log_once("moe_runtime: autograd is recording a MoELayer forward (gradients "
+                          "enabled and the input or a parameter requires grad): it runs the "
+                          "differentiable torch reference kernels; use torch.inference_mode() "
+                          "or torch.no_grad() for the CuTeDSL kernels")
+            with differentiable_kernels():
+                return self._forward_tokens(x).view(hidden_states.shape)
         y = self.cuda_graphs(x) if self._use_graphs(x) else self._forward_tokens(x)
         return y.view(hidden_states.shape)
+
+    def _records_autograd(self, x: torch.Tensor) -> bool:
+        """Whether this forward must be differentiable: gradients enabled, the input or a
+        parameter requires grad, and the `local` topology (whose reference path autograd
+        records end to end; the multi-rank topologies' collectives are not differentiable, and
+        switching one rank's kernels alone would desynchronize the ranks)."""
+        return (torch.is_grad_enabled() and self.topology.name == "local"
+                and (x.requires_grad or any(p.requires_grad for p in self.parameters())))
 
     def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""

@@ -181,6 +181,16 @@ def test_mixed_model_is_left_untouched_on_error():
     assert type(both["a"].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
 
 
+def test_meta_device_model_raises_before_any_swap():
+    """A model whose weights are not loaded yet (meta) gets a clear error; nothing is replaced."""
+    cfg_cls, model_cls, extra = MODELS["qwen3_moe"]
+    with torch.device("meta"):
+        model = model_cls(cfg_cls(**{**COMMON, **extra}))
+    with pytest.raises(ValueError, match="meta device.*load or materialize"):
+        swap_moe_layers(model)
+    assert type(model.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+
+
 def test_non_silu_experts_raise():
     model = tiny_model("olmoe", hidden_act="gelu")
     with pytest.raises(ValueError, match="SiLU"):

@@ -278,3 +278,72 @@ def test_expert_gemv_reference_equals_experts_forward():
     y = R.expert_gemv(act, offsets, ex.down_proj, swiglu=False)
     torch.testing.assert_close(y[:8], ex(x, offsets)[:8], rtol=1e-5, atol=1e-5)
     assert act.shape == (10, 8) and bool((y[8:] == 0).all())
+
+
+def test_standalone_layer_trains_like_an_explicit_loop():
+    """Experts and router of a standalone layer get the gradients of the same MoE written as a
+    plain per-(token, pick) loop (autograd through both)."""
+    torch.manual_seed(3)
+    cfg = MoEConfig(hidden_size=32, num_experts=6, top_k=2, moe_intermediate_size=16,
+                    dtype=torch.float32)
+    layer = MoELayer(cfg)
+    x, g = torch.randn(5, 32), torch.randn(5, 32)
+    (layer(x) * g).sum().backward()
+    got = [p.grad.clone() for p in (layer.router.weight, layer.experts.gate_up_proj,
+                                    layer.experts.down_proj)]
+    assert all(t is not None and t.abs().sum() > 0 for t in got)
+    layer.zero_grad()
+    ids, w = layer.router(x)
+    wu, wd = layer.experts.gate_up_proj, layer.experts.down_proj
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(32)
+        for j in range(cfg.top_k):
+            gate, up = (wu[ids[t, j]] @ x[t]).split(16)
+            acc = acc + w[t, j] * (wd[ids[t, j]] @ (F.silu(gate) * up))
+        rows.append(acc)
+    (torch.stack(rows) * g).sum().backward()
+    want = [layer.router.weight.grad, wu.grad, wd.grad]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_differentiable_kernels_pick_the_reference():
+    from moe_runtime.kernels import differentiable_kernels, resolve_backend
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    with differentiable_kernels():
+        assert resolve_backend("auto", cuda) == "reference"
+        assert resolve_backend("reference", cuda) == "reference"
+        with pytest.raises(ValueError, match="inference-only"):
+            resolve_backend("cute", cuda)
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+
+
+def test_layer_is_differentiable_only_when_autograd_records(monkeypatch):
+    """MoELayer enters differentiable_kernels exactly when the forward needs gradients."""
+    import contextlib
+
+    import moe_runtime.layer as layer_mod
+    entered = []
+
+    @contextlib.contextmanager
+    def spy():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(layer_mod, "differentiable_kernels", spy)
+    layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
+                               dtype=torch.float32))
+    x = torch.randn(3, 16)
+    layer(x)
+    assert entered == [True]  # parameters require grad by default
+    with torch.no_grad():
+        layer(x)
+    with torch.inference_mode():
+        layer(x)
+    assert entered == [True]
+    layer.requires_grad_(False)
+    layer(x)
+    assert entered == [True]
+    layer(x.requires_grad_())
+    assert entered == [True, True]

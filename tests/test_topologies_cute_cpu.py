@@ -477,14 +477,16 @@ def test_setup_gather_runs_on_the_call_device(cute_on_cpu, monkeypatch):
 def test_timeout_s_checked_at_construction(monkeypatch):
     """A bad timeout_s fails when the topology is built: 0 (c10d: no bound), under 1 ms, NaN,
     not a number; with backend "cute" also above the kernels' MAX_TIMEOUT_S."""
-    for topo in ("tp", "dp_nvlink", "dp_p2p"):
+    for topo in ("local", "tp", "dp_nvlink", "dp_p2p"):  # "local" ignores a valid one
         for bad in (0, 0.0004, -1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match="timeout_s must be None or a finite number"):
                 make_topology(topo, E, backend="reference", timeout_s=bad)
         for bad in ("10", True):
             with pytest.raises(TypeError, match="timeout_s must be None or a number"):
                 make_topology(topo, E, timeout_s=bad)
-        assert make_topology(topo, E, timeout_s=0.001).timeout_s == 0.001
+        if topo != "local":
+            assert make_topology(topo, E, timeout_s=0.001).timeout_s == 0.001
+    assert make_topology("local", E, timeout_s=0.001).name == "local"
     pytest.importorskip("cutlass")
     from moe_runtime.kernels.peer_sync import MAX_TIMEOUT_S
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -5,6 +5,8 @@ signatures and semantics (see `reference.py`); `resolve_backend` turns "auto" in
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import logging
@@ -16,6 +18,22 @@ from . import reference
 log = logging.getLogger("moe_runtime")
 
 BACKENDS = ("reference", "cute")
+
+# set while autograd must record the kernels' work (MoELayer.forward with gradients needed)
+_DIFFERENTIABLE = contextvars.ContextVar("moe_runtime_differentiable", default=False)
+
+
+@contextlib.contextmanager
+def differentiable_kernels():
+    """Within this context `resolve_backend` picks the torch reference kernels, which autograd
+    records: "auto" resolves to "reference", and an explicit "cute" raises ValueError (the
+    CuTeDSL kernels have no backward). MoELayer enters it for forwards that need gradients.
+    """
+    token = _DIFFERENTIABLE.set(True)
+    try:
+        yield
+    finally:
+        _DIFFERENTIABLE.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,11 +57,21 @@ def check_backend_name(backend: str) -> None:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Pick the kernel backend: "reference", "cute", or "auto" (cute on CUDA when importable).
 
+    Inside `differentiable_kernels()` the answer is always "reference" ("cute" raises).
+
     Raises:
-        ValueError: unknown backend name, or "cute" on a non-CUDA device / without CuTeDSL.
+        ValueError: unknown backend name, "cute" on a non-CUDA device / without CuTeDSL, or
+            "cute" inside `differentiable_kernels()`.
     """
     check_backend_name(backend)
     device = torch.device(device)
+    if _DIFFERENTIABLE.get():
+        if backend == "cute":
+            raise ValueError(
+                "backend 'cute' is inference-only (the CuTeDSL kernels have no backward) but "
+                "autograd is recording this forward: run it under torch.inference_mode() or "
+                "torch.no_grad(), or build the layer with backend 'auto' or 'reference' to train")
+        return "reference"
     if backend == "auto":
         if device.type == "cuda" and cute_available():
             return "cute"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..comm.groups import check_timeout_s
 from .base import DispatchResult, Topology, validate_routing
 from .distributed import (CUTE_TOPOLOGIES, BackendNotImplementedError, DataParallelTopology,
                           GroupTopology, PeerBufferTopology, auto_picks_cute,
@@ -50,7 +51,9 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
 
     Raises:
         ValueError: unknown name (the message lists the known ones), bad backend, "cute"
-            without CUDA or CuTeDSL, experts not divisible by the world size, align < 1, a
+            without CUDA or CuTeDSL (multi-rank topologies: here; "local": at its first call
+            on a device, since a layer may move to CUDA after construction), experts not
+            divisible by the world size, align < 1, a
             multi-rank group for "local", max_tokens_per_rank / transport for a topology
             without peer buffers, timeout_s NaN, infinite or below 0.001 s (comm.groups.
             check_timeout_s) or, for backend "cute", above kernels.peer_sync.MAX_TIMEOUT_S.
@@ -71,6 +74,7 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
             raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
                             f"{type(group).__name__}")
     if name == "local":
+        check_timeout_s(timeout_s)  # ignored by "local", but a bad value is still an error
         if group is not None:
             import torch.distributed as dist
             if dist.get_world_size(group) != 1:
