@@ -6,17 +6,59 @@
 
 Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops generation, kills the rank actors and stops
 an embedded Ray: no Ray processes are left behind. Exit codes: 0 ok, 1 error (a missing
-dependency included: one line with the install command), 2 usage, 130 interrupted.
+dependency included: one line with the install command), 2 usage (a bad argument value, checked
+before anything starts; for generate/demo also a prompt that is empty or too long for the model,
+a world size that does not divide the experts, or a topology that does not fit it: all checked
+before Ray starts), 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 from typing import Optional, Sequence
 
 DEMO_PROMPTS = ("A mixture of experts model", "The quick brown fox",
                 "Expert parallelism places different experts on different ranks, so")
+
+
+class UsageError(ValueError):
+    """A bad argument value found after parsing (needs the checkpoint): exit code 2."""
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _float_in(what: str, ok):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return parse
+
+
+def _shard_size(text: str) -> int:
+    from .models.make_checkpoint import parse_shard_size
+    try:
+        return parse_shard_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a size such as 500MB, 2GB (units KB, MB, GB, TB) or a number of bytes, "
+            f"got {text!r}") from None
 
 
 def _add_make_checkpoint(sub) -> None:
@@ -27,7 +69,8 @@ def _add_make_checkpoint(sub) -> None:
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    p.add_argument("--max-shard-size", default=None, help='e.g. "200KB": sharded safetensors + index')
+    p.add_argument("--max-shard-size", type=_shard_size, default=None,
+                   help='e.g. "200KB", "500MB", "2GB" or bytes: sharded safetensors + index')
     p.add_argument("--force", action="store_true",
                    help="qwen3-30b-a3b: also write the ~61 GB of random weights (default: config + tokenizer only)")
 
@@ -35,21 +78,23 @@ def _add_make_checkpoint(sub) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by generate and demo (and the deploy job entry)."""
     from .engine.driver import TOPOLOGY_CHOICES
-    p.add_argument("--world-size", type=int, default=None, help="ranks, one Ray actor each")
+    p.add_argument("--world-size", type=_int_at_least(1), default=None, help="ranks, one Ray actor each")
     p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto")
     p.add_argument("--attention", choices=("dp", "tp"), default="dp",
                    help="with --topology auto: data-parallel (each rank its own requests, "
                         "experts partitioned) or tensor-parallel attention")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=32)
+    p.add_argument("--temperature", type=_float_in("a finite number >= 0", lambda t: math.isfinite(t) and t >= 0),
+                   default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None,
                    help='join this Ray cluster ("auto" or host:port); default: start Ray embedded')
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: GPU ranks when the Ray cluster has any GPU, else CPU ranks")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    p.add_argument("--timeout", type=float, default=300.0, help="bound on each phase, seconds")
+    p.add_argument("--timeout", type=_float_in("> 0", lambda t: t > 0), default=300.0,
+                   help="bound on each phase, seconds")
     p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
 
 
@@ -100,11 +145,44 @@ def print_result(result, out=sys.stdout) -> None:
     out.flush()
 
 
+def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
+    """What generate can check before Ray starts: the checkpoint's config and weights, the prompts
+    (Engine.generate_ids' checks on their token ids) and the world size / topology against the
+    model.
+
+    Raises:
+        UsageError: a prompt that is empty or too long, a world size that does not divide the
+            experts, or a topology that does not fit the world size.
+        FileNotFoundError, ValueError (CheckpointError): no config.json, no weights, bad config.
+    """
+    from transformers import AutoTokenizer
+
+    from .engine.driver import check_prompts, check_weights, choose_topology
+    from .models import read_spec
+    spec = read_spec(model_dir, args.dtype)[0]
+    check_weights(model_dir)
+    world_size = 1 if args.world_size is None else args.world_size
+    if spec.moe.num_experts % world_size:
+        raise UsageError(f"--world-size {world_size} does not divide the model's {spec.moe.num_experts} "
+                         "experts (they are split evenly across the ranks)")
+    if args.topology != "auto":
+        try:
+            choose_topology(args.topology, world_size, attention=args.attention)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        check_prompts([tokenizer(p)["input_ids"] for p in prompts], spec, args.max_new_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
-    """Start the engine, generate, print; always shut down (Ctrl-C included)."""
+    """Check the inputs, start the engine, generate, print; always shut down (Ctrl-C included)."""
     from .engine import Engine, SamplingParams
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
+    check_generate_inputs(model_dir, prompts, args)  # before Ray starts
     engine = None
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
@@ -160,6 +238,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_generate(path, list(DEMO_PROMPTS), args)
     except KeyboardInterrupt:
         return 130
+    except UsageError as e:
+        print(f"moe-runtime: error: {e}", file=sys.stderr)
+        return 2
     except ImportError as e:  # an install without its dependencies
         print(f"moe-runtime: error: {e}; install moe_runtime with its dependencies "
               "(pip install moe_runtime; on GPU nodes pip install 'moe_runtime[gpu]')", file=sys.stderr)

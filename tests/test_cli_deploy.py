@@ -201,9 +201,61 @@ def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
-def test_generate_rejects_world_size_zero(ckpt, capsys):
-    assert cli_main(["generate", "--model", str(ckpt), "--prompt", "hi", "--world-size", "0"]) == 1
-    assert "world_size must be >= 1, got 0" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+    (["--max-new-tokens", "-5"], "argument --max-new-tokens: must be >= 1, got -5"),
+    (["--max-new-tokens", "2.5"], "argument --max-new-tokens: must be an integer, got '2.5'"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
+    (["--timeout", "0"], "argument --timeout: must be > 0, got 0")])
+def test_generate_argument_value_errors_are_usage_errors(tmp_path, capsys, argv, message):
+    """Exit 2 (usage) with argparse's message, before anything is read or started."""
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"] + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"moe-runtime generate: error: {message}"
+
+
+def test_make_checkpoint_max_shard_size_is_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["make-checkpoint", "--max-shard-size", "banana", str(tmp_path / "x")])
+    assert e.value.code == 2 and "Unit" not in (err := capsys.readouterr().err)
+    assert "argument --max-shard-size: must be a size such as 500MB, 2GB" in err
+    assert not os.path.exists(tmp_path / "x")
+    from moe_runtime.cli import build_parser
+    for ok, size in (("500MB", 500 * 10 ** 6), ("2GB", 2 * 10 ** 9), ("1000000", 10 ** 6)):
+        assert build_parser().parse_args(["make-checkpoint", "--max-shard-size", ok, "o"]).max_shard_size == size
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """generate must fail before the Engine (and Ray) starts."""
+    import moe_runtime.engine
+
+    def refuse(*a, **k):
+        raise AssertionError("the Engine was started")
+    monkeypatch.setattr(moe_runtime.engine, "Engine", refuse)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt", "hi", "--prompt", ""], "prompt 1 is empty"),
+    (["--prompt", "hi", "--prompt", "hello world", "--max-new-tokens", "510"],
+     "prompt 1 (5 tokens) + max_new_tokens (510) exceeds max_position_embeddings (512)"),
+    (["--prompt", "hi", "--world-size", "3"], "--world-size 3 does not divide the model's 8 experts"),
+    (["--prompt", "hi", "--world-size", "2", "--topology", "local"], "topology 'local' needs world size 1")])
+def test_generate_input_errors_are_found_before_ray_starts(ckpt, capsys, no_engine, argv, message):
+    assert cli_main(["generate", "--model", str(ckpt)] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moe-runtime: error: ") and message in err
+
+
+def test_generate_without_weights_fails_before_ray_starts(ckpt, tmp_path, capsys, no_engine):
+    import shutil
+    cfg_only = str(tmp_path / "cfg_only")
+    shutil.copytree(ckpt, cfg_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert cli_main(["generate", "--model", cfg_only, "--prompt", "hi"]) == 1
+    assert "no weights: neither model.safetensors nor model.safetensors.index.json" in capsys.readouterr().err
 
 
 def test_missing_dependency_is_a_one_line_error_with_the_install_hint(tmp_path, capsys, monkeypatch):

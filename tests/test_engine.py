@@ -324,3 +324,50 @@ def test_ray_address_from_the_environment_is_joined(monkeypatch):
     eng._init_ray(fake_ray, None, "cpu", {})
     assert checked == ["10.0.0.1:6379"] and calls == [{"address": "10.0.0.1:6379"}]
     assert not eng._started_ray
+
+
+def test_check_prompts_names_the_prompt(ckpt):
+    from moe_runtime.engine.driver import check_prompts
+    from moe_runtime.models import read_spec
+    spec = read_spec(ckpt)[0]  # vocab 512, max_position_embeddings 512
+    check_prompts([[1, 2], [3]], spec, 510)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        check_prompts([[1, 2], [], [3]], spec, 4)
+    with pytest.raises(ValueError, match=r"prompt 2 has 512"):
+        check_prompts([[1], [2], [3, 512]], spec, 4)
+    with pytest.raises(ValueError, match=r"prompt 1 \(3 tokens\) \+ max_new_tokens \(510\) exceeds "
+                                         r"max_position_embeddings \(512\)"):
+        check_prompts([[1, 2], [1, 2, 3]], spec, 510)
+
+
+def test_bad_sampling_params_never_reach_the_ranks(ckpt):
+    """A SamplingParams whose max_new_tokens became a float after construction (or not a
+    SamplingParams at all) is refused in the driver: the ranks are not called, the engine lives."""
+    from moe_runtime.models import read_spec
+    eng = Engine.__new__(Engine)
+    eng.spec, eng.workers = read_spec(ckpt)[0], ["a live rank"]
+    eng._call_all = lambda *a, **k: pytest.fail("reached the ranks")
+    bad = SamplingParams(max_new_tokens=4)
+    object.__setattr__(bad, "max_new_tokens", 2.5)
+    with pytest.raises(TypeError, match="max_new_tokens must be an int, got float 2.5"):
+        eng.generate_ids([[1, 2]], bad)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        eng.generate_ids([[1, 2]], {"max_new_tokens": 4})
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        eng.generate_ids([[], [1]], SamplingParams(max_new_tokens=4))
+    assert eng.workers == ["a live rank"]
+
+
+def test_checkpoint_without_weights_fails_before_ray_starts(ckpt, tmp_path):
+    """config.json but no model.safetensors / index (a config-only checkpoint): a CheckpointError
+    in Engine(), not a RankError after the workers started."""
+    import ray
+
+    from moe_runtime.models import CheckpointError
+    cfg_only = str(tmp_path / "cfg_only")
+    shutil.copytree(ckpt, cfg_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    started = ray.is_initialized()
+    with pytest.raises(CheckpointError, match="no weights: neither model.safetensors nor "
+                                              "model.safetensors.index.json"):
+        Engine(cfg_only, world_size=1, topology="local")
+    assert ray.is_initialized() == started

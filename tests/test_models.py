@@ -309,3 +309,62 @@ def test_qwen3_dense_layer_bias_tied_embeddings_sliding_window_equal_hf(tmp_path
     assert model.spec.dense_layers == (1,) and model.lm_head is None and model.spec.sliding_window == 4
     out = run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(max_new_tokens=8), stop_ids=[])
     assert out.token_ids == hf_greedy(d, PROMPTS, 8)
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=2.5), dict(seed=1.5), dict(max_new_tokens=True),
+                                dict(seed=False), dict(max_new_tokens="4"), dict(seed=None)])
+def test_sampling_params_reject_non_int_max_new_tokens_and_seed(kw):
+    """A float max_new_tokens / seed used to pass and then kill the rank actors in generate."""
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_take_integral_numbers_as_int():
+    import numpy as np
+    p = SamplingParams(max_new_tokens=np.int64(3), seed=np.int32(-2))
+    assert (p.max_new_tokens, p.seed) == (3, -2) and type(p.max_new_tokens) is int and type(p.seed) is int
+
+
+def _modes(root):
+    out = {".": os.stat(root).st_mode & 0o777}
+    out.update({f: os.stat(os.path.join(root, f)).st_mode & 0o777 for f in os.listdir(root)})
+    return out
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_checkpoint_modes_follow_the_umask(tmp_path, mask):
+    """Ray workers on other nodes must read the checkpoint: the directory and every file (the
+    safetensors shards and index included) get 0777 / 0666 less the umask, not tempfile's 0700 /
+    safetensors' 0600. The demo's cached checkpoint is written the same way."""
+    from moe_runtime.models.make_checkpoint import cached_checkpoint
+    old = os.umask(mask)
+    try:
+        sharded = make_checkpoint(str(tmp_path / "sharded"), "mixtral", "tiny", max_shard_size="100KB")
+        cached = cached_checkpoint("qwen3-moe", "tiny", cache_dir=str(tmp_path / "cache"))
+    finally:
+        os.umask(old)
+    for d in (sharded, cached):
+        modes = _modes(d)
+        assert sum(f.endswith(".safetensors") for f in modes) >= 1
+        assert modes.pop(".") == 0o777 & ~mask
+        assert set(modes.values()) == {0o666 & ~mask}, {f: oct(m) for f, m in modes.items()}
+    # a copy cached with the old private modes is made readable on the next use
+    os.chmod(cached, 0o700)
+    os.chmod(os.path.join(cached, "model.safetensors"), 0o600)
+    old = os.umask(mask)
+    try:
+        assert cached_checkpoint("qwen3-moe", "tiny", cache_dir=str(tmp_path / "cache")) == cached
+    finally:
+        os.umask(old)
+    assert set(_modes(cached).values()) == {0o777 & ~mask, 0o666 & ~mask}
+
+
+def test_parse_shard_size():
+    from moe_runtime.models.make_checkpoint import parse_shard_size
+    assert parse_shard_size("500MB") == 500 * 10 ** 6 and parse_shard_size("2gb") == 2 * 10 ** 9
+    assert parse_shard_size("1.5GB") == 1_500_000_000 and parse_shard_size("200KB") == 200_000
+    assert parse_shard_size("1000000") == parse_shard_size(1000000) == 10 ** 6
+    for bad in ("banana", "5PB", "MB", "", "-5MB", "0", 0, True, "1e3MB"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_shard_size(bad)

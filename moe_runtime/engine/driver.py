@@ -94,6 +94,50 @@ def choose_topology(requested: str, world_size: int, cluster=None, attention: st
     return sel.name, sel.reason
 
 
+def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int) -> None:
+    """The checks of a batch of tokenized prompts that Engine.generate_ids makes before anything
+    reaches the ranks; callable without an engine (the CLI runs them before Ray starts).
+
+    Args:
+        prompt_ids: one list of token ids per prompt.
+        spec: the checkpoint's ModelSpec (vocab_size, max_position_embeddings), e.g.
+            moe_runtime.models.read_spec(model_dir)[0].
+        max_new_tokens: the tokens to generate per prompt.
+
+    Raises:
+        ValueError: a prompt without tokens (named by its index), a token id outside
+            [0, vocab_size), or the longest prompt + max_new_tokens over max_position_embeddings.
+    """
+    empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty: every prompt must have at least one token")
+    vocab = spec.vocab_size
+    bad = [(i, t) for i, p in enumerate(prompt_ids) for t in p if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"token ids must be in [0, vocab_size={vocab}); prompt {bad[0][0]} has "
+                         f"{bad[0][1]}")
+    limit = spec.max_position_embeddings
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]), default=None)
+    if longest is not None and len(prompt_ids[longest]) + max_new_tokens > limit:
+        raise ValueError(f"prompt {longest} ({len(prompt_ids[longest])} tokens) + max_new_tokens "
+                         f"({max_new_tokens}) exceeds max_position_embeddings ({limit})")
+
+
+def check_weights(model_dir: str) -> None:
+    """Fail before any rank starts when model_dir has no weights for the loader: neither
+    model.safetensors nor model.safetensors.index.json (e.g. a config-only checkpoint from
+    `moe-runtime make-checkpoint --preset qwen3-30b-a3b` without --force).
+
+    Raises:
+        CheckpointError: naming the directory and both file names.
+    """
+    from ..models.loader import INDEX_FILE, SINGLE_FILE, CheckpointError
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE)):
+        raise CheckpointError(f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} "
+                              "(a config-only checkpoint, e.g. make-checkpoint --preset qwen3-30b-a3b "
+                              "without --force, cannot generate)")
+
+
 class Engine:
     """Driver of W RankWorker actors serving one checkpoint.
 
@@ -118,6 +162,8 @@ class Engine:
 
     Raises:
         FileNotFoundError: model_dir has no config.json.
+        CheckpointError: (a ValueError) model_dir has no model.safetensors or
+            model.safetensors.index.json (before Ray starts).
         RankError: a rank failed while starting or loading (all actors are gone afterwards).
         TimeoutError: the cluster could not place world_size ranks within timeout_s.
         TypeError: world_size not an int.
@@ -157,6 +203,7 @@ class Engine:
 
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
+        check_weights(model_dir)  # so do missing weights
         if self.spec.moe.num_experts % world_size:
             raise ValueError(f"num_experts ({self.spec.moe.num_experts}) must be divisible by "
                              f"world_size ({world_size}): experts are split evenly across ranks")
@@ -330,6 +377,8 @@ class Engine:
 
         Raises:
             RankError: a rank failed (all actors are gone afterwards; the engine is unusable).
+            TypeError: params not a SamplingParams, or one whose max_new_tokens / seed was set
+                to a non-int after construction (nothing reaches the ranks; the engine lives on).
             ValueError: an empty prompt, a token id outside the vocabulary, or prompt +
                 max_new_tokens over max_position_embeddings.
         """
@@ -344,18 +393,10 @@ class Engine:
         """Like generate() with token ids; `prompts` only labels the completions."""
         if not self.workers:
             raise RuntimeError("the engine is shut down")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt must have at least one token")
-        vocab = self.spec.vocab_size
-        bad = [(i, t) for i, p in enumerate(prompt_ids) for t in p if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"token ids must be in [0, vocab_size={vocab}); prompt {bad[0][0]} has "
-                             f"{bad[0][1]}")
-        limit = self.spec.max_position_embeddings
-        longest = max((len(p) for p in prompt_ids), default=0)
-        if longest + params.max_new_tokens > limit:
-            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                             f"exceeds max_position_embeddings ({limit})")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # a field changed after construction must not reach (and kill) the ranks
+        check_prompts(prompt_ids, self.spec, params.max_new_tokens)
         stop = params.stop_token_ids
         if stop is None:
             stop = set(self.rank_info[0]["eos_token_ids"])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -14,15 +14,19 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     Attributes:
-        max_new_tokens: generate at most this many tokens per request (>= 1).
+        max_new_tokens: generate at most this many tokens per request (an int >= 1).
         temperature: 0 = greedy (argmax); > 0 divides the logits before the softmax.
         top_p: keep the smallest set of most likely tokens whose mass reaches top_p (0 < p <= 1).
-        seed: request i draws from a torch.Generator seeded with (seed, i), so a completion does
-            not depend on the batch, the world size or the topology.
+        seed: an int; request i (its position in the batch passed to generate) draws from a
+            torch.Generator seeded with (seed, i). So the same seed and the same position give
+            the same completion whatever the other prompts of the batch contain, the world size
+            or the topology; the same prompt at another position of the batch draws other
+            samples. Unused when greedy.
         stop_token_ids: stop a request when it samples one of these (included in its output);
             None = the model's EOS ids.
 
     Raises:
+        TypeError: max_new_tokens or seed not an int (a bool or a float included).
         ValueError: out-of-range values.
     """
 
@@ -33,6 +37,20 @@ class SamplingParams:
     stop_token_ids: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """The construction checks (again): Engine.generate calls it before anything reaches the
+        ranks, in case a field was changed after construction.
+
+        Raises:
+            TypeError, ValueError: as the constructor.
+        """
+        for name in ("max_new_tokens", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, int(value))  # e.g. numpy.int64 -> int
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:

@@ -5,10 +5,13 @@ generation_config.json, safetensors weights (single file, or sharded with
 model.safetensors.index.json when `max_shard_size` is given) and a byte-level BPE tokenizer
 trained offline with the `tokenizers` library on the built-in text below, saved through
 transformers' PreTrainedTokenizerFast so `AutoTokenizer.from_pretrained(out_dir)` loads it.
+The directory and its files get the modes a plain mkdir / open would give (0777 / 0666 less the
+process umask, typically 0755 / 0644), so Ray workers on other nodes can read a shared copy.
 
 Presets:
     tiny            a few hundred KB; the CI numerics tests and `moe-runtime demo` use it.
-    small           a few MB; more heads and experts (32 experts, top-4).
+    small           more heads and experts (32 experts, top-4): about 55 MB of weights in
+                    float32 (the default), 28 MB in bfloat16.
     qwen3-30b-a3b   Qwen3-30B-A3B's real shapes (48 layers, 128 experts, top-8). Without
                     `force` only config.json, generation_config.json and the tokenizer are
                     written (enough to read the spec and plan a deployment); with `force`,
@@ -17,9 +20,10 @@ Presets:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
-from typing import Optional
+from typing import Optional, Union
 
 ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "mixtral": "mixtral"}
 PRESETS = ("tiny", "small", "qwen3-30b-a3b")
@@ -43,6 +47,55 @@ The quick brown fox jumps over the lazy dog. Once upon a time there was a small 
 that wanted to tell a story about the sea, the mountains, the city and the stars.
 Numbers like 1 2 3 4 5 6 7 8 9 10 and words like hello, world, token, expert, rank appear here.
 """
+
+
+_SIZE_UNITS = {"": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
+
+
+def parse_shard_size(size: Union[str, int]) -> int:
+    """A shard size in bytes: an int, or a number with a unit KB, MB, GB or TB (powers of 10, as
+    huggingface_hub reads them; any case), e.g. "200KB", "1.5GB", "1000000".
+
+    Raises:
+        ValueError: anything else, or a size that is not > 0.
+    """
+    if isinstance(size, bool):
+        raise ValueError(f"max_shard_size must be a size such as '500MB', '2GB' or a number of bytes, got {size!r}")
+    if isinstance(size, int):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]B)?\s*", str(size), re.IGNORECASE)
+        if m is None:
+            raise ValueError(f"max_shard_size must be a size such as '500MB', '2GB' or a number of "
+                             f"bytes, got {size!r}")
+        n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
+    if n <= 0:
+        raise ValueError(f"max_shard_size must be > 0 bytes, got {size!r}")
+    return n
+
+
+def _umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _apply_umask_modes(root: str) -> None:
+    """Give root and everything under it the modes of a plain mkdir / open (0777 / 0666 less the
+    umask): tempfile.mkdtemp makes 0700 and safetensors writes its files 0600."""
+    mask = _umask()
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
 
 
 def _qwen3_kwargs(preset: str) -> dict:
@@ -91,7 +144,8 @@ def train_tokenizer(vocab_size: int = 512):
 
 
 def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny", *,
-                    seed: int = 0, dtype: Optional[str] = None, max_shard_size: Optional[str] = None,
+                    seed: int = 0, dtype: Optional[str] = None,
+                    max_shard_size: Optional[Union[str, int]] = None,
                     force: bool = False) -> str:
     """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
 
@@ -100,14 +154,16 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         preset: "tiny", "small" or "qwen3-30b-a3b" (Qwen3-MoE only).
         seed: torch seed of the random weights.
         dtype: "float32" (default for tiny/small) or "bfloat16" (default for qwen3-30b-a3b).
-        max_shard_size: e.g. "200KB" to write sharded safetensors with an index.
+        max_shard_size: e.g. "200KB" or a number of bytes (see parse_shard_size) to write sharded
+            safetensors with an index.
         force: for qwen3-30b-a3b, write the (huge) weights too.
 
     Returns:
-        out_dir.
+        out_dir, whose directory and file modes follow the umask (typically 0755 / 0644).
 
     Raises:
-        ValueError: unknown arch/preset, a preset the arch lacks, or a non-empty out_dir.
+        ValueError: unknown arch/preset, a preset the arch lacks, a bad max_shard_size, or a
+            non-empty out_dir.
     """
     import torch
     import transformers
@@ -118,6 +174,8 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
     if preset == "qwen3-30b-a3b" and arch != "qwen3-moe":
         raise ValueError("preset 'qwen3-30b-a3b' is a Qwen3-MoE model: use --arch qwen3-moe")
+    if max_shard_size is not None:
+        max_shard_size = parse_shard_size(max_shard_size)
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} exists and is not empty")
     from . import get_architecture
@@ -142,9 +200,10 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         else:
             torch.manual_seed(seed)
             model = getattr(transformers, a.hf_class_name)(config).to(getattr(torch, dtype))
-            save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+            save_kw = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
             model.save_pretrained(tmp, **save_kw)
         tokenizer.save_pretrained(tmp)
+        _apply_umask_modes(tmp)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)
         os.replace(tmp, out_dir)
@@ -157,7 +216,9 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
 def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: Optional[str] = None) -> str:
     """The checkpoint made once under cache_dir (default $MOE_RUNTIME_CACHE or
     ~/.cache/moe_runtime), as `<arch>-<preset>`; made on first use (atomically, so concurrent
-    callers are safe: the loser of the race keeps the winner's copy)."""
+    callers are safe: the loser of the race keeps the winner's copy); written by make_checkpoint,
+    so its modes follow the umask too. A copy cached with the old 0700 / 0600 modes is made
+    readable (0777 / 0666 less the umask) when it is ours."""
     root = cache_dir or os.environ.get("MOE_RUNTIME_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "moe_runtime")
     path = os.path.join(root, f"{arch}-{preset}")
@@ -167,4 +228,6 @@ def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: 
         except (ValueError, OSError):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 raise
+    elif os.stat(path).st_uid == os.getuid() and not os.stat(path).st_mode & 0o055:
+        _apply_umask_modes(path)  # cached before modes followed the umask
     return path
