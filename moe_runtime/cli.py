@@ -93,7 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: GPU ranks when the Ray cluster has any GPU, else CPU ranks")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    p.add_argument("--timeout", type=_float_in("> 0", lambda t: t > 0), default=300.0,
+    p.add_argument("--timeout", type=_float_in("finite and >= 0.001 (seconds)",
+                                               lambda t: math.isfinite(t) and t >= 1e-3),
+                   default=300.0,
                    help="bound on each phase, seconds")
     p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
 

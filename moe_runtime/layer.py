@@ -45,8 +45,10 @@ class MoELayer(nn.Module):
     Training: a forward that autograd must record (gradients enabled and the input or a
     parameter requires grad; parameters do by default, as in nn.Linear) on the `local` topology
     runs the torch reference kernels, which are differentiable, whatever `backend` "auto"
-    would pick (logged once on CUDA); with backend "cute" it raises ValueError instead. Run
-    inference under torch.inference_mode() or torch.no_grad() to get the CuTeDSL kernels.
+    would pick (logged once on CUDA); with backend "cute" it raises ValueError instead, and
+    inside a CUDA-graph capture RuntimeError. Run inference under torch.inference_mode() or
+    torch.no_grad() to get the CuTeDSL kernels. Under torch.compile the kernels are chosen as
+    in inference (the switch is eager-only: dynamo cannot trace it).
 
     Raises:
         ValueError / TypeError: bad config, topology name, or input shape/dtype/device.
@@ -225,7 +227,13 @@ class MoELayer(nn.Module):
         if hidden_states.dtype != c.dtype:
             raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, c.hidden_size)
-        if self._records_autograd(x):
+        if not torch.compiler.is_compiling() and self._records_autograd(x):
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "a CUDA-graph capture of a MoELayer forward that autograd records: capture "
+                    "under torch.no_grad() or torch.inference_mode() (the CuTeDSL kernels have "
+                    "no backward, and the differentiable torch kernels read the expert offsets "
+                    "on the host)")
             if x.is_cuda:
                 _log_once("moe_runtime: autograd is recording a MoELayer forward (gradients "
                           "enabled and the input or a parameter requires grad): it runs the "

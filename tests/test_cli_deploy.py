@@ -207,7 +207,9 @@ def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     (["--max-new-tokens", "2.5"], "argument --max-new-tokens: must be an integer, got '2.5'"),
     (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
-    (["--timeout", "0"], "argument --timeout: must be > 0, got 0")])
+    (["--timeout", "0"], "argument --timeout: must be finite and >= 0.001 (seconds), got 0"),
+    (["--timeout", "inf"], "argument --timeout: must be finite and >= 0.001 (seconds), got inf"),
+    (["--timeout", "0.0005"], "argument --timeout: must be finite and >= 0.001 (seconds), got 0.0005")])
 def test_generate_argument_value_errors_are_usage_errors(tmp_path, capsys, argv, message):
     """Exit 2 (usage) with argparse's message, before anything is read or started."""
     with pytest.raises(SystemExit) as e:

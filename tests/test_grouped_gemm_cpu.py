@@ -52,6 +52,12 @@ def test_tile_follows_rows_per_expert(rows_per_expert, gemm, want):
     assert gg.GATE_UP_TILE != gg.DOWN_TILE != gg.ONE_TILE_192  # the rule picks among distinct tiles
 
 
+def test_one_tile_192_is_for_sm90_only():
+    assert gg.tile_config(128, "gate_up", 9) == gg.ONE_TILE_192
+    assert gg.tile_config(128, "gate_up", 10) == gg.GATE_UP_TILE
+    assert gg.tile_config(128, "down", 10) == gg.DOWN_TILE
+
+
 def test_tile_config_rejects_unknown_gemm():
     with pytest.raises(ValueError, match="gate_up"):
         gg.tile_config(128, "up")

@@ -65,7 +65,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """
     check_backend_name(backend)
     device = torch.device(device)
-    if _DIFFERENTIABLE.get():
+    if not torch.compiler.is_compiling() and _DIFFERENTIABLE.get():  # (dynamo cannot trace .get)
         if backend == "cute":
             raise ValueError(
                 "backend 'cute' is inference-only (the CuTeDSL kernels have no backward) but "

@@ -40,9 +40,12 @@ ONE_TILE_192 = (192, 128, True, 1, 2)
 ONE_TILE_192_ROWS = (96, 176)  # r in (lo, hi]: one 192-row tile for nearly every expert
 
 
-def tile_config(rows_per_expert: float, gemm: str) -> tuple[int, int, bool, int, int]:
+def tile_config(rows_per_expert: float, gemm: str, arch_major: int = 9
+                ) -> tuple[int, int, bool, int, int]:
     """The quack tile configuration for `gemm` ("gate_up" or "down") when experts expect
-    `rows_per_expert` rows on average (see ONE_TILE_192_ROWS).
+    `rows_per_expert` rows on average (see ONE_TILE_192_ROWS), on a GPU of compute capability
+    `arch_major`.x. The 192-row tile is sm_90 only (measured there; quack's SM100 MMA takes
+    tile M of 64, 128 or 256).
 
     Raises:
         ValueError: an unknown gemm name.
@@ -50,7 +53,7 @@ def tile_config(rows_per_expert: float, gemm: str) -> tuple[int, int, bool, int,
     if gemm not in ("gate_up", "down"):
         raise ValueError(f"gemm must be 'gate_up' or 'down', got {gemm!r}")
     lo, hi = ONE_TILE_192_ROWS
-    if lo < rows_per_expert <= hi:
+    if arch_major == 9 and lo < rows_per_expert <= hi:
         return ONE_TILE_192
     return GATE_UP_TILE if gemm == "gate_up" else DOWN_TILE
 
@@ -102,7 +105,8 @@ def _run(x: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor, activation,
     from quack.gemm_interface import gemm_act
     kw = dict(concat_layout=("B",)) if activation == "swiglu" else {}
     rows = x.shape[0] if expected_rows is None else expected_rows
-    tile = tile_config(rows / b.shape[0], "gate_up" if activation == "swiglu" else "down")
+    tile = tile_config(rows / b.shape[0], "gate_up" if activation == "swiglu" else "down",
+                       torch.cuda.get_device_capability(x.device)[0])
     _, out = gemm_act(x.contiguous(), b, activation=activation, cu_seqlens_m=offsets,
                       store_preact=False, tuned=False, config=_config(x.device.index, tile), **kw)
     return out

@@ -217,8 +217,7 @@ def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: 
     """The checkpoint made once under cache_dir (default $MOE_RUNTIME_CACHE or
     ~/.cache/moe_runtime), as `<arch>-<preset>`; made on first use (atomically, so concurrent
     callers are safe: the loser of the race keeps the winner's copy); written by make_checkpoint,
-    so its modes follow the umask too. A copy cached with the old 0700 / 0600 modes is made
-    readable (0777 / 0666 less the umask) when it is ours."""
+    so its modes follow the umask too (an existing copy is used as it is)."""
     root = cache_dir or os.environ.get("MOE_RUNTIME_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "moe_runtime")
     path = os.path.join(root, f"{arch}-{preset}")
@@ -228,6 +227,4 @@ def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: 
         except (ValueError, OSError):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 raise
-    elif os.stat(path).st_uid == os.getuid() and not os.stat(path).st_mode & 0o055:
-        _apply_umask_modes(path)  # cached before modes followed the umask
     return path

@@ -231,3 +231,26 @@ def test_swapped_model_logits_bf16(family):
     err_hf, err = rel_err(hf_bf16, ref), rel_err(out, ref)
     assert rel_err(out, hf_bf16) <= 2e-2, (rel_err(out, hf_bf16), err, err_hf)
     assert err <= err_hf + 1e-2, (err, err_hf)
+
+
+def test_recorded_forward_on_cuda(layer):
+    """A forward autograd records: backend "cute" (the fixture) raises; backend "auto" runs the
+    differentiable torch kernels (x gets a finite, nonzero gradient; the output agrees with the
+    CuTeDSL path's within bf16 tolerance); a CUDA-graph capture of it raises."""
+    x = tokens(layer, 7).requires_grad_()
+    with pytest.raises(ValueError, match="inference-only"):
+        layer(x)
+    auto = MoELayer(layer.config, topology="local", backend="auto", device=DEV)
+    auto.load_state_dict(layer.state_dict())
+    y = auto(x)
+    y.float().square().sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all()) and x.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert rel_err(y.detach(), layer(x.detach())) <= 2e-2
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="capture under torch.no_grad"):
+        with torch.cuda.graph(g, stream=s):
+            auto(x)
+    torch.cuda.current_stream().wait_stream(s)
