@@ -159,19 +159,17 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     """
     from transformers import AutoTokenizer
 
-    from .engine.driver import check_prompts, check_weights, choose_topology
+    from .engine.driver import check_prompts, check_weights, check_world_size, choose_topology
     from .models import read_spec
     spec = read_spec(model_dir, args.dtype)[0]
     check_weights(model_dir)
     world_size = 1 if args.world_size is None else args.world_size
-    if spec.moe.num_experts % world_size:
-        raise UsageError(f"--world-size {world_size} does not divide the model's {spec.moe.num_experts} "
-                         "experts (they are split evenly across the ranks)")
-    if args.topology != "auto":
-        try:
+    try:
+        check_world_size(spec, world_size)
+        if args.topology != "auto":
             choose_topology(args.topology, world_size, attention=args.attention)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         check_prompts([tokenizer(p)["input_ids"] for p in prompts], spec, args.max_new_tokens)

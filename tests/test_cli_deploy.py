@@ -244,7 +244,7 @@ def no_engine(monkeypatch):
     (["--prompt", "hi", "--prompt", ""], "prompt 1 is empty"),
     (["--prompt", "hi", "--prompt", "hello world", "--max-new-tokens", "510"],
      "prompt 1 (5 tokens) + max_new_tokens (510) exceeds max_position_embeddings (512)"),
-    (["--prompt", "hi", "--world-size", "3"], "--world-size 3 does not divide the model's 8 experts"),
+    (["--prompt", "hi", "--world-size", "3"], "num_experts (8) must be divisible by world_size (3)"),
     (["--prompt", "hi", "--world-size", "2", "--topology", "local"], "topology 'local' needs world size 1")])
 def test_generate_input_errors_are_found_before_ray_starts(ckpt, capsys, no_engine, argv, message):
     assert cli_main(["generate", "--model", str(ckpt)] + argv) == 2

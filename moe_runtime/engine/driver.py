@@ -123,6 +123,14 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
                          f"({max_new_tokens}) exceeds max_position_embeddings ({limit})")
 
 
+def check_world_size(spec, world_size: int) -> None:
+    """ValueError unless world_size divides the checkpoint's experts (spec: its ModelSpec):
+    experts are split evenly across the ranks."""
+    if spec.moe.num_experts % world_size:
+        raise ValueError(f"num_experts ({spec.moe.num_experts}) must be divisible by world_size "
+                         f"({world_size}): experts are split evenly across ranks")
+
+
 def check_weights(model_dir: str) -> None:
     """Fail before any rank starts when model_dir has no weights for the loader: neither
     model.safetensors nor model.safetensors.index.json (e.g. a config-only checkpoint from
@@ -204,9 +212,7 @@ class Engine:
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
         check_weights(model_dir)  # so do missing weights
-        if self.spec.moe.num_experts % world_size:
-            raise ValueError(f"num_experts ({self.spec.moe.num_experts}) must be divisible by "
-                             f"world_size ({world_size}): experts are split evenly across ranks")
+        check_world_size(self.spec, world_size)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         try:
             self._start_ray(ray_address, device, ray_init_kwargs or {})

@@ -76,12 +76,16 @@ def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+@functools.lru_cache(maxsize=None)
 def _config(device_index: int, tile: tuple[int, int, bool, int, int]):
     from quack.gemm_config import GemmConfig
-    major = torch.cuda.get_device_capability(device_index)[0]
     m, n, pingpong, cm, cn = tile
     return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn,
-                      is_dynamic_persistent=False, device_capacity=major)
+                      is_dynamic_persistent=False, device_capacity=_major(device_index))
 
 
 def _check(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> None:
@@ -105,10 +109,11 @@ def _run(x: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor, activation,
     from quack.gemm_interface import gemm_act
     kw = dict(concat_layout=("B",)) if activation == "swiglu" else {}
     rows = x.shape[0] if expected_rows is None else expected_rows
+    index = x.device.index  # (a CUDA tensor's device always has an index)
     tile = tile_config(rows / b.shape[0], "gate_up" if activation == "swiglu" else "down",
-                       torch.cuda.get_device_capability(x.device)[0])
+                       _major(index))
     _, out = gemm_act(x.contiguous(), b, activation=activation, cu_seqlens_m=offsets,
-                      store_preact=False, tuned=False, config=_config(x.device.index, tile), **kw)
+                      store_preact=False, tuned=False, config=_config(index, tile), **kw)
     return out
 
 
