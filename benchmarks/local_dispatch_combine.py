@@ -8,7 +8,9 @@ the bytes read + written once (dispatch: x and T*k rows; combine: T*k rows and y
 index tensors), the ratio to the device copy bandwidth measured in the same run (the best of
 graph-replayed torch copy_ and an elementwise kernel on 256 MiB and 1 GiB), the speedup over the torch reference (eager; it syncs the host), and the
 targets: T >= 4096 -> >= 90% of copy bandwidth; T <= 128 -> <= 1.2 x (graph-replayed empty
-CuTeDSL kernel + the bytes at copy bandwidth).
+CuTeDSL kernel + the bytes at copy bandwidth). Two measured limits stand next to each target:
+one torch kernel that moves the same bytes with no layout work (`same_bytes_torch`), and the
+bytes the op writes at the fill_ (write-only) rate: dispatch writes k bytes per byte it reads.
 Switch point: decode vs prefill timed over a finer T sweep per shape (dispatch decode only where
 T*k <= cute_ops.DISPATCH_DECODE_MAX_ITEMS, its item cap); the per-shape crossing, in bytes of
 expert rows moved (T*k*H*2), and the single threshold with the least total slowdown over all
@@ -130,21 +132,44 @@ def modes_for(T, k):
     return ("decode", "prefill") if T * k <= cute_ops.DISPATCH_DECODE_MAX_ITEMS else ("prefill",)
 
 
-def measure(name, H, E, k, T, bw, empty):
+def same_bytes_torch(x, ex, slot, w):
+    """One torch kernel each that moves dispatch's and combine's bytes with no layout work:
+    dispatch -> index_select of x into the T*k expert-major rows (source tokens precomputed);
+    combine -> a batched GEMV w[t] @ rows[t] over token-major [T, k, H] rows (no gather).
+    Returns (dispatch_fn, combine_fn)."""
+    T, k = slot.shape
+    src = torch.empty(ex.shape[0], dtype=torch.long, device=x.device).fill_(0)
+    src[slot.flatten().long()] = torch.arange(T, device=x.device).repeat_interleave(k)
+    rows = torch.empty_like(ex)
+    tok_rows = ex[slot.flatten().long()].view(T, k, -1)
+    wb = w.to(x.dtype).view(T, 1, k)
+    y = torch.empty(T, 1, x.shape[1], dtype=x.dtype, device=x.device)
+    return (lambda: torch.index_select(x, 0, src, out=rows),
+            lambda: torch.bmm(wb, tok_rows, out=y))
+
+
+def measure(name, H, E, k, T, bw, empty, fill_bw):
+    """Table rows for dispatch and combine at T tokens. Next to the target: `torch_us`, one
+    graph-replayed torch kernel moving the same bytes without any layout work
+    (same_bytes_torch), and `write_floor_us`, the bytes the op writes at the fill_ rate."""
     x, ids, w = problem(T, H, E, k)
     rows = []
     dmode = cute_ops.select_dispatch_mode(T, k, H, x.dtype)
     cmode = cute_ops.select_combine_mode(T, k, H, x.dtype)
     ex, _, slot = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
-    for op, mode, fn, ref, nbytes in (
+    torch_dispatch, torch_combine = same_bytes_torch(x, ex, slot, w)
+    for op, mode, fn, ref, same, nbytes, written in (
         ("dispatch", dmode,
          lambda: cute_ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode=dmode),
          lambda: reference.dispatch(x, ids, expert_start=0, num_local_experts=E),
-         dispatch_bytes(T, H, k)),
+         torch_dispatch, dispatch_bytes(T, H, k), T * k * (H * 2 + 4)),
         ("combine", cmode, lambda: cute_ops.combine_in_mode(ex, slot, w, mode=cmode),
-         lambda: reference.combine(ex, slot, w), combine_bytes(T, H, k))):
+         lambda: reference.combine(ex, slot, w), torch_combine, combine_bytes(T, H, k),
+         T * H * 2)):
         us = graph_us(fn)
         ref_us = eager_us(ref)
+        torch_us = graph_us(same)
+        write_floor_us = written / fill_bw * 1e6
         floor_us = empty + nbytes / bw * 1e6
         if T >= 4096:
             target, met = ">=90% copy BW", nbytes / (us * 1e-6) >= 0.9 * bw
@@ -154,7 +179,7 @@ def measure(name, H, E, k, T, bw, empty):
             target, met = "-", None
         rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, tbps=nbytes / (us * 1e-6) / 1e12,
                          ratio_copy=nbytes / (us * 1e-6) / bw, ref_us=ref_us, speedup=ref_us / us,
-                         floor_us=floor_us, target=target, target_met=met, bytes=nbytes))
+                         torch_us=torch_us, write_floor_us=write_floor_us, floor_us=floor_us, target=target, target_met=met, bytes=nbytes))
     return rows
 
 
@@ -243,6 +268,7 @@ def main():
     dev = torch.cuda.get_device_properties(0)
     copies = copy_bandwidth()
     bw = copies["best"]
+    fill_bw = max(v for k, v in copies.items() if k.startswith("fill"))
     empty = empty_kernel_us()
     print(f"{dev.name} ({dev.multi_processor_count} SMs): copy bandwidth (best) {bw / 1e12:.2f} TB/s "
           f"[{', '.join(f'{k} {v / 1e12:.2f}' for k, v in copies.items() if k != 'best')}], "
@@ -250,7 +276,7 @@ def main():
     rows, sweeps, cross, tuned = [], {}, {}, []
     for name, (H, E, k) in shapes.items():
         for T in tokens:
-            rows += measure(name, H, E, k, T, bw, empty)
+            rows += measure(name, H, E, k, T, bw, empty, fill_bw)
         if not args.no_sweep:
             sweeps[name], cross[name] = sweep(name, H, E, k, sweep_tokens)
         if args.tune:
@@ -280,12 +306,15 @@ def main():
             print(f"  {name:14s} dispatch <= {c['dispatch']:>10d}  combine <= {c['combine']:>10d}")
         print(f"  best single threshold: dispatch {switch['dispatch']} B, combine {switch['combine']} B "
               f"(in code now: {cute_ops.DISPATCH_DECODE_MAX_BYTES}, {cute_ops.COMBINE_DECODE_MAX_BYTES})")
+    print("torch us: one torch kernel moving the same bytes with no layout work; write floor: "
+          "the bytes written at the fill_ rate")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
-          f"{'ref us':>9s} {'speedup':>7s} {'target':>15s} met")
+          f"{'torch us':>9s} {'wr floor':>8s} {'ref us':>9s} {'speedup':>7s} {'target':>15s} met")
     for r in rows:
         met = "-" if r["target_met"] is None else ("yes" if r["target_met"] else "NO")
         print(f"{r['shape']:14s} {r['T']:6d} {r['op']:8s} {r['mode']:7s} {r['us']:9.2f} "
-              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {r['ref_us']:9.1f} {r['speedup']:7.1f} "
+              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {r['torch_us']:9.2f} "
+              f"{r['write_floor_us']:8.2f} {r['ref_us']:9.1f} {r['speedup']:7.1f} "
               f"{r['target']:>15s} {met}")
     if tuned:
         print("launch shapes at large T (fraction of copy bandwidth):")

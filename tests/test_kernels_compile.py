@@ -46,15 +46,17 @@ V4_LD = r"ld\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
 V4_ST = r"st\.global(\.[A-Za-z0-9_:]+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)"
 FACTS = {
     "dispatch_decode": [V4_LD, V4_ST, r"vote\.sync\.ballot\.b32", r"popc\.b32", r"bar\.warp\.sync",
-                        r"bar\.sync", r"griddepcontrol\.wait"],
+                        r"bar\.sync", r"griddepcontrol\.wait", r"griddepcontrol\.launch_dependents"],
     "dispatch_slots": [r"atom\.shared\.add", r"atom\.global(\.acq_rel)?(\.gpu)?\.add",
                        r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"ld\.relaxed\.gpu\.global",
                        r"griddepcontrol\.launch_dependents"],
     "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"griddepcontrol\.wait"],
-    "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32"],
+    "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32", r"griddepcontrol\.wait"],
     "route": [r"shfl\.sync\.bfly", r"atom\.shared\.add", r"atom\.global\.acq_rel(\.gpu)?\.add\.u32",
               r"griddepcontrol\.launch_dependents"],
-    "expert_gemv": [V4_LD, r"shfl\.sync\.bfly", r"redux\.sync\.add", r"fma\.rn\.f32|add\.f32"],
+    "expert_gemv": [V4_LD, r"shfl\.sync\.bfly", r"redux\.sync\.add", r"fma\.rn\.f32|add\.f32",
+                    r"griddepcontrol\.wait",
+                    r"griddepcontrol\.launch_dependents"],
     "barrier_probe": [r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32"],
 }
 # a register fragment spilled to local memory (CUTEDSL.md P8); a timer read (one in a wait loop
@@ -237,7 +239,7 @@ def test_ptx_checker_rejects_scalar_copies():
     vector += "\ngriddepcontrol.wait;"
     assert _ptx_problems("dispatch_copy", (), vector) is None
     assert _ptx_problems("dispatch_copy", (), vector + "\n.local .align 4 .b8 __local_depot0[16];")
-    decode = vector + "\nvote.sync.ballot.b32 %r1, %p2, -1;\npopc.b32 %r3, %r1;\nbar.warp.sync -1;\nbar.sync 0;"
+    decode = vector + "\nvote.sync.ballot.b32 %r1, %p2, -1;\npopc.b32 %r3, %r1;\nbar.warp.sync -1;\nbar.sync 0;\ngriddepcontrol.launch_dependents;"
     assert _ptx_problems("dispatch_decode", (), decode) is None
     assert "forbidden" in _ptx_problems("dispatch_decode", (), decode + "\natom.global.add.u32 %r4, [%rd1], 1;")
 

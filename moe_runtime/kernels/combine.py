@@ -9,7 +9,9 @@ loaded (128-bit, no branch around them) before any arithmetic, accumulated in fp
 in order j = 0..K-1 (as the reference; a -1 pick is selected away, so a NaN in the row it
 read cannot leak), converted to the input dtype and stored with 128-bit stores.
 Requires expert_y to have at least one row (the host returns zeros without launching when
-it has none).
+it has none). Launched as a programmatic dependent launch (PDL): the blocks become resident
+while the previous launch finishes and wait for it (griddepcontrol.wait) before any global
+access.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def combine_kernel(mY: cute.Tensor, mSlot: cute.Tensor, mW: cute.Tensor, mOut: c
     NV = H // VEC
     lane = cute.arch.lane_idx()
     t, seg = warp_unit(WARPS, num_segments(H, dtype, V))
+    cute.arch.griddepcontrol_wait()  # PDL: the previous launch (expert_y's producer) is complete
+    cute.arch.griddepcontrol_launch_dependents()
     if t < mOut.shape[0]:
         my_slot = Int32(-1)
         my_w = Float32(0.0)
@@ -61,4 +65,4 @@ def combine(mY: cute.Tensor, mSlot: cute.Tensor, mW: cute.Tensor, mOut: cute.Ten
     nseg = num_segments(H, mY.element_type, V)
     combine_kernel(mY, mSlot, mW, mOut, H, K, WARPS, V).launch(
         grid=(cute.ceil_div(mOut.shape[0] * nseg, WARPS), 1, 1), block=(WARPS * 32, 1, 1),
-        stream=stream)
+        stream=stream, use_pdl=True)

@@ -26,7 +26,8 @@ sizes), so blocks never wait for each other:
 Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
 its dependents start at once) its blocks are resident early and wait for the previous launch
 (griddepcontrol.wait) before any global access: x may be the output of any earlier kernel,
-which is complete only then.
+which is complete only then. Once the offsets are written it lets its own dependents start
+(the expert GEMV's blocks become resident during the copies).
 Shared memory: hist int32 [WARPS, E], slot int32 [MAX_ITEMS], (E + 1) offsets.
 """
 from __future__ import annotations
@@ -145,6 +146,9 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
     if bidx == 0 and tidx == 0:
         mOffsets[E] = total
     cute.arch.sync_threads()
+    # the expert GEMV after this launch (PDL) may become resident while the rows are copied
+    # (it waits for this grid before any global access)
+    cute.arch.griddepcontrol_launch_dependents()
 
     # 3. slots
     for c in cutlass.range_constexpr(MAXC):

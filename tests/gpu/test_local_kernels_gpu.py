@@ -239,11 +239,12 @@ def test_dispatch_and_combine_in_a_cuda_graph(ops):
 @pytest.mark.parametrize("mode", MODES)
 def test_programmatic_dependent_launch_chains_match_synchronized_runs(ops, mode):
     """Programmatic dependent launches (the router lets the decode dispatch start early; the
-    slots launch lets the prefill copy start early) in the decode chain route -> dispatch ->
-    GEMV -> GEMV -> combine, plus a dispatch of a GEMV's output straight after that GEMV, give
-    back to back bit for bit what they give with a device sync after every launch: no kernel
-    reads its input before the kernel writing it is done. Each round's x is the previous
-    round's combine output."""
+    slots launch lets the prefill copy start early; the GEMVs prefetch weights and the combine
+    becomes resident before their predecessor ends) in the decode chain route -> dispatch ->
+    GEMV -> GEMV -> combine, plus a dispatch of a GEMV's output straight after that GEMV and a
+    combine of that dispatch's rows straight after it, give back to back bit for bit what they
+    give with a device sync after every launch: no kernel reads its input before the kernel
+    writing it is done. Each round's x is the previous round's combine output."""
     T, H, I, E, k, rounds = 8, 512, 256, 16, 4, 30
     g = torch.Generator(device=DEV).manual_seed(11)
     logits = [torch.randn(T, E, device=DEV, generator=g) for _ in range(rounds)]
@@ -264,12 +265,14 @@ def test_programmatic_dependent_launch_chains_match_synchronized_runs(ops, mode)
             step()
             ey = ops.expert_gemv(act, off, w2, swiglu=False)
             step()
-            again = ops.dispatch_in_mode(ey[:T], ids, expert_start=0, num_local_experts=E,
-                                         mode=mode)[0]
+            again, _, again_slot = ops.dispatch_in_mode(ey[:T], ids, expert_start=0,
+                                                        num_local_experts=E, mode=mode)
+            step()
+            back = ops.combine(again, again_slot, w)
             step()
             x = ops.combine(ey, slot, w)
             step()
-            outs += [x, again]
+            outs += [x, again, back]
         return outs
 
     want = chain(sync=True)
