@@ -20,9 +20,10 @@ T * k * hidden * element_size against thresholds measured by benchmarks/local_di
 which every block derives the whole layout from the ids (kernels/dispatch_decode.py), so it
 also needs T * k <= DISPATCH_DECODE_MAX_ITEMS; its layout is deterministic (token-major inside
 each expert, as reference.dispatch). Prefill is a slots launch + a copy launch. Both dispatch
-modes use programmatic dependent launch (PDL): the decode dispatch starts while the router
-kernel finishes, the prefill copy loads its x rows while the slots launch runs; each waits
-(griddepcontrol.wait) before it reads what the launch before it writes.
+modes, the expert GEMV and combine use programmatic dependent launch (PDL): the decode
+dispatch starts while the router kernel finishes, the prefill copy loads its x rows while the
+slots launch runs, the GEMVs and combine become resident while the launch before them ends;
+each waits (griddepcontrol.wait) before it reads what the launch before it writes.
 
 Device errors (a bounded device-side wait that gave up, e.g. the grid-barrier test probe) are
 recorded in mapped host memory and raised as moe_runtime.sync.DeviceSyncError at the start of a
