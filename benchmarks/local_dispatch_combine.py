@@ -9,8 +9,9 @@ index tensors), the ratio to the device copy bandwidth measured in the same run 
 graph-replayed torch copy_ and an elementwise kernel on 256 MiB and 1 GiB), the speedup over the torch reference (eager; it syncs the host), and the
 targets: T >= 4096 -> >= 90% of copy bandwidth; T <= 128 -> <= 1.2 x (graph-replayed empty
 CuTeDSL kernel + the bytes at copy bandwidth). Two measured limits stand next to each target:
-one torch kernel that moves the same bytes with no layout work (`same_bytes_torch`), and the
-bytes the op writes at the fill_ (write-only) rate: dispatch writes k bytes per byte it reads.
+torch kernels that move the same bytes with no layout work (`same_bytes_torch`: a gather, and a
+broadcast copy / batched GEMV with no gather), and the bytes the op writes at the fill_
+(write-only) rate: dispatch writes k bytes per byte it reads.
 Switch point: decode vs prefill timed over a finer T sweep per shape (dispatch decode only where
 T*k <= cute_ops.DISPATCH_DECODE_MAX_ITEMS, its item cap); the per-shape crossing, in bytes of
 expert rows moved (T*k*H*2), and the single threshold with the least total slowdown over all
@@ -133,24 +134,34 @@ def modes_for(T, k):
 
 
 def same_bytes_torch(x, ex, slot, w):
-    """One torch kernel each that moves dispatch's and combine's bytes with no layout work:
-    dispatch -> index_select of x into the T*k expert-major rows (source tokens precomputed);
-    combine -> a batched GEMV w[t] @ rows[t] over token-major [T, k, H] rows (no gather).
-    Returns (dispatch_fn, combine_fn)."""
+    """Torch kernels that move dispatch's and combine's bytes with no layout work, one launch
+    each. Returns ((gather, stream) for dispatch, (gather, stream) for combine):
+      dispatch gather: index_select of x into the T*k expert-major rows (sources precomputed);
+      dispatch stream: a broadcast copy of x into [T, k, H] (x read once, k contiguous copies
+                       written: dispatch's DRAM traffic with no gather);
+      combine gather:  index_select of the T*k expert rows into token-major [T, k, H] (reads
+                       and writes T*k rows: more bytes than combine);
+      combine stream:  a batched GEMV w[t] @ rows[t] over token-major [T, k, H] rows."""
     T, k = slot.shape
-    src = torch.empty(ex.shape[0], dtype=torch.long, device=x.device).fill_(0)
+    H = x.shape[1]
+    src = torch.zeros(ex.shape[0], dtype=torch.long, device=x.device)
     src[slot.flatten().long()] = torch.arange(T, device=x.device).repeat_interleave(k)
     rows = torch.empty_like(ex)
-    tok_rows = ex[slot.flatten().long()].view(T, k, -1)
+    bcast = torch.empty(T, k, H, dtype=x.dtype, device=x.device)
+    flat_slot = slot.flatten().long()
+    tok_rows = ex[flat_slot].view(T, k, H)
+    gathered = torch.empty_like(tok_rows)
     wb = w.to(x.dtype).view(T, 1, k)
-    y = torch.empty(T, 1, x.shape[1], dtype=x.dtype, device=x.device)
-    return (lambda: torch.index_select(x, 0, src, out=rows),
-            lambda: torch.bmm(wb, tok_rows, out=y))
+    y = torch.empty(T, 1, H, dtype=x.dtype, device=x.device)
+    return ((lambda: torch.index_select(x, 0, src, out=rows),
+             lambda: bcast.copy_(x.unsqueeze(1).expand(T, k, H))),
+            (lambda: torch.index_select(ex, 0, flat_slot, out=gathered.view(T * k, H)),
+             lambda: torch.bmm(wb, tok_rows, out=y)))
 
 
 def measure(name, H, E, k, T, bw, empty, fill_bw):
-    """Table rows for dispatch and combine at T tokens. Next to the target: `torch_us`, one
-    graph-replayed torch kernel moving the same bytes without any layout work
+    """Table rows for dispatch and combine at T tokens. Next to the target: `gather_us` and
+    `stream_us`, graph-replayed torch kernels moving the same bytes without any layout work
     (same_bytes_torch), and `write_floor_us`, the bytes the op writes at the fill_ rate."""
     x, ids, w = problem(T, H, E, k)
     rows = []
@@ -168,7 +179,7 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
          T * H * 2)):
         us = graph_us(fn)
         ref_us = eager_us(ref)
-        torch_us = graph_us(same)
+        gather_us, stream_us = graph_us(same[0]), graph_us(same[1])
         write_floor_us = written / fill_bw * 1e6
         floor_us = empty + nbytes / bw * 1e6
         if T >= 4096:
@@ -179,7 +190,7 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
             target, met = "-", None
         rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, tbps=nbytes / (us * 1e-6) / 1e12,
                          ratio_copy=nbytes / (us * 1e-6) / bw, ref_us=ref_us, speedup=ref_us / us,
-                         torch_us=torch_us, write_floor_us=write_floor_us, floor_us=floor_us, target=target, target_met=met, bytes=nbytes))
+                         gather_us=gather_us, stream_us=stream_us, write_floor_us=write_floor_us, floor_us=floor_us, target=target, target_met=met, bytes=nbytes))
     return rows
 
 
@@ -306,14 +317,16 @@ def main():
             print(f"  {name:14s} dispatch <= {c['dispatch']:>10d}  combine <= {c['combine']:>10d}")
         print(f"  best single threshold: dispatch {switch['dispatch']} B, combine {switch['combine']} B "
               f"(in code now: {cute_ops.DISPATCH_DECODE_MAX_BYTES}, {cute_ops.COMBINE_DECODE_MAX_BYTES})")
-    print("torch us: one torch kernel moving the same bytes with no layout work; write floor: "
-          "the bytes written at the fill_ rate")
+    print("gather / stream: torch kernels moving the same bytes with no layout work (an "
+          "index_select; a broadcast copy or batched GEMV without gather); wr floor: the bytes "
+          "written at the fill_ rate")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
-          f"{'torch us':>9s} {'wr floor':>8s} {'ref us':>9s} {'speedup':>7s} {'target':>15s} met")
+          f"{'gather':>8s} {'stream':>8s} {'wr floor':>8s} {'ref us':>9s} {'speedup':>7s} "
+          f"{'target':>15s} met")
     for r in rows:
         met = "-" if r["target_met"] is None else ("yes" if r["target_met"] else "NO")
         print(f"{r['shape']:14s} {r['T']:6d} {r['op']:8s} {r['mode']:7s} {r['us']:9.2f} "
-              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {r['torch_us']:9.2f} "
+              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {r['gather_us']:8.2f} {r['stream_us']:8.2f} "
               f"{r['write_floor_us']:8.2f} {r['ref_us']:9.1f} {r['speedup']:7.1f} "
               f"{r['target']:>15s} {met}")
     if tuned:
