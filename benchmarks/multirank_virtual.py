@@ -16,8 +16,8 @@ graph-replayed empty kernel (the floor of any launch). Never asserts a time.
 
     python3 benchmarks/multirank_virtual.py                     # H 7168, k 8, E 256, bf16
     python3 benchmarks/multirank_virtual.py --worlds 2 --tokens 128 --iters 5
-    torchrun --nproc-per-node 8 benchmarks/multirank_virtual.py --real   # later multi-GPU issue:
-        one rank per GPU, peer buffers from symmetric memory / CUDA IPC (not run yet)
+    torchrun --nproc-per-node 2 benchmarks/multirank_virtual.py --real --tokens 128,4096
+        # one rank per GPU, peer buffers from symmetric memory / CUDA IPC, next to NCCL
 Writes JSON (--out, default bench_out/multirank_virtual.json) and prints a table last.
 """
 from __future__ import annotations
@@ -143,30 +143,71 @@ def bench_world(W, tokens, a, rows):
 
 
 def real_mode(a):
-    """One rank per GPU under torchrun (the later multi-GPU issue). NOT run yet."""
+    """One rank per GPU under torchrun (issue 6), next to NCCL on the same data in the same run:
+    dp_nvlink dispatch + combine (peer buffers from PeerBuffers.from_process_group) vs two
+    all_to_all_single of the T*k rows each rank sends (dispatch, then combine), per T; the
+    one-shot / two-shot all-reduce of [T, H] per rank vs dist.all_reduce. Rank 0 prints a table
+    and writes JSON (--out). Keep NCCL_NVLS_ENABLE=0 (no NVLink multicast on shared hosts)."""
     import torch.distributed as dist
-    dist.init_process_group("nccl")
-    rank, W = dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    rank = int(os.environ.get("RANK", 0))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank, W = dist.get_rank(), dist.get_world_size()
+    H, K, E = a.hidden, a.topk, a.experts
     rows = []
-    for T in a.tokens:
-        spec = pb.PeerSpec(W, T, a.hidden, a.topk, a.experts)
-        b = pb.PeerBuffers.from_process_group(spec)
-        gen = torch.Generator(device="cuda").manual_seed(rank)
-        x = torch.randn(T, a.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-        ids, w = routing(T, a.experts, a.topk, gen, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    for T in a.tokens:  # buffers sized T per rank: dispatch decode (one launch) up to 128
+        b = pb.PeerBuffers.from_process_group(pb.PeerSpec(W, T, H, K, E))
+        if rank == 0:
+            print(f"# {b.describe()}", flush=True)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ids, w = routing(T, E, K, gen, "cuda")
+        y = torch.empty_like(x)
 
         def pair():
             h = ep_dispatch(b, x, ids, timeout_s=a.timeout, check=False)
-            ep_combine(b, h, h.expert_x, w, timeout_s=a.timeout, check=False)
-        pair()
-        b.check_errors("warm-up")
-        dist.barrier()
-        g = gpu_us(pair, a.iters)
-        b.check_errors("timed")
-        rows.append(dict(W=W, T=T, op="dispatch+combine", mode="auto", gpu_us=g, rank=rank))
+            ep_combine(b, h, h.expert_x, w, out=y, timeout_s=a.timeout, check=False)
+        send = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        recv = torch.empty_like(send)
+
+        def nccl_pair():  # the same rows out and back, evenly split over the ranks
+            dist.all_to_all_single(recv, send)
+            dist.all_to_all_single(send, recv)
+        ar = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cases = [("dispatch+combine", pair, nccl_pair, 2 * T * K * H * 2 * (W - 1) // W)]
+        for algo in ("oneshot", "twoshot"):
+            def ours(algo=algo):
+                all_reduce(b, None, T, algo=algo, timeout_s=a.timeout, check=False)
+            ar_input(b, T).copy_(ar)
+            cases.append((f"allreduce {algo}", ours, lambda: dist.all_reduce(ar),
+                          T * H * 2 * (W - 1) // W * 2))
+        for op, fn, ref, nbytes in cases:
+            fn()
+            b.check_errors(f"{op} T={T} warm-up")
+            dist.barrier()
+            g = gpu_us(fn, a.iters)
+            b.check_errors(f"{op} T={T}")
+            dist.barrier()
+            g_ref = gpu_us(ref, a.iters)
+            dist.barrier()
+            rows.append(dict(W=W, T=T, op=op, gpu_us=g, nccl_us=g_ref, bytes_per_gpu=nbytes,
+                             transport=b.mode,
+                             gbps_per_gpu=nbytes / g / 1e3, nccl_gbps_per_gpu=nbytes / g_ref / 1e3,
+                             rank=rank))
+        del b
+        torch.cuda.empty_cache()
     if rank == 0:
-        print(json.dumps(rows, indent=1))
+        out = a.out.replace(".json", "_real.json")
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(dict(gpus=W, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        print(f"{W} x {torch.cuda.get_device_name()}, H {H}, k {K}, E {E}, bf16 (rank 0's view; "
+              f"bytes per GPU = what it sends to the other ranks)")
+        print(f"{'op':<20}{'T/rank':>7}{'ours us':>10}{'NCCL us':>10}{'ours GB/s':>11}{'NCCL GB/s':>11}")
+        for r in rows:
+            print(f"{r['op']:<20}{r['T']:>7}{r['gpu_us']:>10.1f}{r['nccl_us']:>10.1f}"
+                  f"{r['gbps_per_gpu']:>11.1f}{r['nccl_gbps_per_gpu']:>11.1f}")
     dist.destroy_process_group()
 
 

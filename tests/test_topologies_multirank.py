@@ -54,8 +54,8 @@ def expert_fn(kind: str, e: int, x: torch.Tensor) -> torch.Tensor:
     if kind == "swiglu":
         H, inter = x.shape[1], 8
         g = torch.Generator().manual_seed(1000 + e)
-        w1, w3 = (torch.randn(H, inter, generator=g) / H ** 0.5 for _ in range(2))
-        w2 = torch.randn(inter, H, generator=g) / inter ** 0.5
+        w1, w3 = (torch.randn(H, inter, generator=g).to(x.device) / H ** 0.5 for _ in range(2))
+        w2 = torch.randn(inter, H, generator=g).to(x.device) / inter ** 0.5
         xf = x.float()
         return ((torch.nn.functional.silu(xf @ w1) * (xf @ w3)) @ w2).to(x.dtype)
     raise ValueError(kind)
@@ -82,16 +82,34 @@ def my_inputs(case, rank, world, topo_name):
 
 # ---------------------------------------------------------------------------------------------
 # worker functions: fn(rank, world, *args)
+_NCCL_GROUP = []  # per worker process: the NCCL group of case["nccl"] runs, made once
+
+
+def rank_device_and_group(rank: int, case: dict):
+    """(device, group) of a case: CPU and the default (gloo) group; with case["nccl"] (the
+    multi-GPU runs, tests/gpu/test_multi_gpu.py) cuda:rank and an NCCL group of all ranks."""
+    if not case.get("nccl"):
+        return torch.device("cpu"), None
+    from moe_runtime.comm import new_group
+    torch.cuda.set_device(rank)
+    if not _NCCL_GROUP:
+        _NCCL_GROUP.append(new_group(backend="nccl", timeout_s=60.0))
+    return torch.device("cuda", rank), _NCCL_GROUP[0]
+
+
 def w_case(rank, world, topo_name, case):
-    topo = make_topology(topo_name, case["E"], align=case["align"], backend="reference")
-    x, ids, w = my_inputs(case, rank, world, topo_name)
+    dev, group = rank_device_and_group(rank, case)
+    topo = make_topology(topo_name, case["E"], group=group, align=case["align"],
+                         backend="reference")
+    x, ids, w = (t.to(dev) for t in my_inputs(case, rank, world, topo_name))
     res = topo.dispatch(x, ids, w)
     y_id = topo.combine(res.expert_x, res)
     y = topo.combine(run_experts(case["experts"], res.expert_x, res.expert_offsets,
                                  topo.expert_start), res)
     n = int(res.expert_offsets[-1])
-    return {"y_id": y_id, "y": y, "offsets": res.expert_offsets, "rows": res.expert_x[:n].clone(),
-            "expert_start": topo.expert_start, "x_contig": x.is_contiguous(), "T": x.shape[0]}
+    return {"y_id": y_id.cpu(), "y": y.cpu(), "offsets": res.expert_offsets.cpu(),
+            "rows": res.expert_x[:n].cpu(), "expert_start": topo.expert_start,
+            "x_contig": x.is_contiguous(), "T": x.shape[0], "device": str(y.device)}
 
 
 def w_bad_inputs(rank, world, topo_name):
@@ -242,6 +260,7 @@ def check_against_local(pool, world, topo_name, case):
     tol = _tol(case["dtype"])
     e_local = E // world
     for r, o in enumerate(out):
+        assert o["device"] == (f"cuda:{r}" if case.get("nccl") else "cpu"), (r, o["device"])
         assert o["y"].dtype == case["dtype"] and o["offsets"].dtype == torch.int32
         # offsets and the multiset of rows of every local expert
         exp_off, counts = _expected_offsets(ids, E, o["expert_start"], e_local, case["align"])
@@ -259,15 +278,18 @@ def check_against_local(pool, world, topo_name, case):
     else:  # each rank its own tokens, concatenated in rank order
         ys, y_ids = [torch.cat([o["y"] for o in out])], [torch.cat([o["y_id"] for o in out])]
     ident = (x.float() * w.sum(-1, keepdim=True)).to(case["dtype"])
+    # bit-level checks hold where the ranks ran on the CPU like LocalTopology here; on GPUs
+    # (case["nccl"]) the fp32 sums may round in another order
+    exact = not case.get("nccl")
     for y, y_id in zip(ys, y_ids):
         assert y.shape == (x.shape[0], case["H"])
         torch.testing.assert_close(y_id.float(), ident.float(), atol=tol, rtol=tol)
-        if topo_name != "tp" and case["experts"] != "swiglu":
+        if exact and topo_name != "tp" and case["experts"] != "swiglu":
             # row-wise experts, same fp32 accumulation order as local: bit-identical
             assert torch.equal(y, y_ref)
         else:
             torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
-        if topo_name == "tp" and case["dtype"] != torch.float32 and case["experts"] != "swiglu":
+        if exact and topo_name == "tp" and case["dtype"] != torch.float32 and case["experts"] != "swiglu":
             # fp32 all-reduce, one rounding: only the fp32 summation order differs from local,
             # so almost every element is bit-identical (a bf16 all-reduce misses this badly)
             assert int((y != y_ref).sum()) <= max(1, y.numel() // 100), (y != y_ref).sum()

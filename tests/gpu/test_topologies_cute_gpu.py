@@ -63,11 +63,12 @@ def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------- worker functions (per rank)
-def w_compare(rank, world, name, kw, plan):
-    """Run `plan` through backend "cute" (cuda:0) and "reference" (CPU); per call what the
-    parent checks."""
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
+def w_compare(rank, world, name, kw, plan, gpu_per_rank=False):
+    """Run `plan` through backend "cute" (cuda:0, or cuda:rank with gpu_per_rank: the
+    multi-GPU runs of test_multi_gpu.py) and "reference" (CPU); per call what the parent
+    checks."""
+    dev = torch.device("cuda", rank if gpu_per_rank else 0)
+    torch.cuda.set_device(dev)
     cute = make_topology(name, E, backend="cute", timeout_s=KERNEL_TIMEOUT_S, transport="ipc", **kw)
     ref = make_topology(name, E, backend="reference", align=kw["align"])
     El, start = cute.num_local_experts, cute.expert_start
@@ -99,10 +100,10 @@ def w_compare(rank, world, name, kw, plan):
     return dict(backend=cute.backend, mode=cute.peer_buffers.mode, out=out)
 
 
-def w_auto(rank, world):
+def w_auto(rank, world, gpu_per_rank=False):
     """backend "auto": the first CUDA call settles it (a collective); the tp reference dispatch
     is local, so no collective runs on CUDA tensors over gloo."""
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank if gpu_per_rank else 0)
     t = make_topology("tp", E, backend="auto")
     before = t.backend
     t.dispatch(*(a.cuda() for a in batch(3, 5)))

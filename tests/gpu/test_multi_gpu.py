@@ -1,0 +1,54 @@
+"""GPU, two or more GPUs (issue 6): one rank per GPU, W = 2 processes.
+
+  * The reference topologies (tp, dp_nvlink, dp_p2p) over an NCCL group, CUDA tensors on
+    cuda:rank: every case of tests/test_topologies_multirank.py, checked against LocalTopology
+    on the whole batch in this process (offsets, the rows each expert receives, y within the
+    dtype's tolerance).
+  * The `cute` tp and dp_nvlink backends with peer buffers mapped over CUDA IPC between the
+    GPUs (NVLink peer access): the plans of tests/gpu/test_topologies_cute_gpu.py against the
+    reference topology over gloo in the same processes.
+  * backend "auto" settles on "cute" when every rank has a GPU of its own.
+
+Skipped, with the reason, on machines with fewer than two GPUs. Every pool call is bounded
+(RUN_TIMEOUT_S in test_topologies_cute_gpu.py); device-side waits by the topologies' timeout_s.
+Keep NCCL_NVLS_ENABLE=0 (set below when unset): NVLink multicast must not run on shared hosts.
+
+Run: source .device/setup.sh && python3 -m pytest -m gpu tests/gpu/test_multi_gpu.py
+"""
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                 reason="needs 2 GPUs, one per rank (issue 6)")]
+pytest.importorskip("cutlass")
+pytest.importorskip("tvm_ffi")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+from test_topologies_cute_gpu import CASES as CUTE_CASES, W, check, run, w_auto, w_compare  # noqa: E402,F401
+from test_topologies_multirank import BASE, CASES, TOPOS, check_against_local  # noqa: E402
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+@pytest.mark.parametrize("topo_name", TOPOS)
+def test_reference_topologies_over_nccl_match_local(run, topo_name, case_name):
+    case = {**BASE, **CASES[case_name], "nccl": True}
+
+    class Pool:  # check_against_local's pool interface over the bounded `run` fixture
+        @staticmethod
+        def run(fn, *args):
+            return run(fn, *args)
+    check_against_local(Pool, W, topo_name, case)
+
+
+@pytest.mark.parametrize("case", list(CUTE_CASES))
+def test_cute_backends_across_gpus_match_reference(run, case):
+    kw, plan = CUTE_CASES[case]
+    check(case, run(w_compare, "tp" if case == "tp" else "dp_nvlink", kw, plan, True), W)
+
+
+def test_auto_picks_cute_with_a_gpu_per_rank(run):
+    for before, after, reason, no_buffers in run(w_auto, True):
+        assert (before, after, no_buffers) == ("auto", "cute", False), reason
