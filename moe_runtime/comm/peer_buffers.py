@@ -21,7 +21,8 @@ Modes (PeerBuffers.mode):
     (topologies/distributed.py, PeerBufferTopology; the topologies of one group share one
     PeerBuffers per spec, device and transport). tests/gpu/test_topologies_cute_gpu.py runs
     "ipc" with two processes on ONE GPU (CUDA IPC works between processes on one device);
-    "symm_mem" and ranks on separate GPUs (NVLink peers) have not run yet (needs >= 2 GPUs).
+    tests/gpu/test_multi_gpu.py runs "ipc" with one process per GPU (NVLink peers) and
+    `benchmarks/multirank_virtual.py --real` "symm_mem" (both on 2 H200s).
 
 Sizing: everything is sized from `PeerSpec.max_tokens_per_rank` (T_max); a call with more
 tokens on any rank raises ValueError naming the limit before anything is launched

@@ -34,7 +34,9 @@ Status (issue 5): on the H200 with W in {2, 4, 8} virtual ranks, one-shot and tw
 torch's sum and tp_combine_all_reduce equals the sum of reference.combine over ranks
 (tests/gpu/test_multirank_virtual_gpu.py); timings in benchmarks/multirank_virtual.py. Real
 ranks: the tp topology's GPU test (tests/gpu/test_topologies_cute_gpu.py) runs two processes on
-one GPU over CUDA IPC; ranks on separate GPUs have not run yet.
+one GPU over CUDA IPC; tests/gpu/test_multi_gpu.py one process per GPU (passed on 2 H200s).
+`benchmarks/multirank_virtual.py --real` there, [128, 7168] bf16 per rank (1.8 MB): one-shot
+34 us, two-shot 35 us, NCCL all_reduce 43 us; [4096, 7168]: 210 / 241 us, NCCL 238 us.
 """
 from __future__ import annotations
 
