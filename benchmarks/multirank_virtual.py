@@ -38,7 +38,7 @@ from moe_runtime.comm.virtual import VirtualRanks  # noqa: E402
 from moe_runtime.kernels import reference  # noqa: E402
 from moe_runtime.kernels.allreduce import all_reduce, ar_input, tp_combine_all_reduce  # noqa: E402
 from moe_runtime.kernels.ep_combine import ep_combine  # noqa: E402
-from moe_runtime.kernels.ep_dispatch import ep_dispatch  # noqa: E402
+from moe_runtime.kernels.ep_dispatch import DECODE_MAX_TOKENS, ep_dispatch  # noqa: E402
 
 
 def gpu_us(fn, n):
@@ -144,8 +144,9 @@ def bench_world(W, tokens, a, rows):
 
 def real_mode(a):
     """One rank per GPU under torchrun (issue 6), next to NCCL on the same data in the same run:
-    dp_nvlink dispatch + combine (peer buffers from PeerBuffers.from_process_group) vs two
-    all_to_all_single of the T*k rows each rank sends (dispatch, then combine), per T; the
+    dp_nvlink dispatch, and dispatch + combine, in each mode that takes T (decode up to
+    ep_dispatch.DECODE_MAX_TOKENS; peer buffers from PeerBuffers.from_process_group) vs one /
+    two all_to_all_single of the T*k rows each rank sends, per T; the
     one-shot / two-shot all-reduce of [T, H] per rank vs dist.all_reduce. Rank 0 prints a table
     and writes JSON (--out). Keep NCCL_NVLS_ENABLE=0 (no NVLink multicast on shared hosts)."""
     import torch.distributed as dist
@@ -164,18 +165,27 @@ def real_mode(a):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         ids, w = routing(T, E, K, gen, "cuda")
         y = torch.empty_like(x)
-
-        def pair():
-            h = ep_dispatch(b, x, ids, timeout_s=a.timeout, check=False)
-            ep_combine(b, h, h.expert_x, w, out=y, timeout_s=a.timeout, check=False)
         send = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         recv = torch.empty_like(send)
 
-        def nccl_pair():  # the same rows out and back, evenly split over the ranks
+        def nccl_a2a():  # the T*k rows, evenly split over the ranks
+            dist.all_to_all_single(recv, send)
+
+        def nccl_pair():  # out and back
             dist.all_to_all_single(recv, send)
             dist.all_to_all_single(send, recv)
+        a2a_bytes = T * K * H * 2 * (W - 1) // W
+        cases = []
+        for mode in (["decode", "prefill"] if T <= DECODE_MAX_TOKENS else ["prefill"]):
+            def disp(mode=mode):
+                return ep_dispatch(b, x, ids, mode=mode, timeout_s=a.timeout, check=False)
+
+            def pair(disp=disp):
+                h = disp()
+                ep_combine(b, h, h.expert_x, w, out=y, timeout_s=a.timeout, check=False)
+            cases += [(f"dispatch {mode}", disp, nccl_a2a, a2a_bytes),
+                      (f"dispatch+combine {mode}", pair, nccl_pair, 2 * a2a_bytes)]
         ar = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        cases = [("dispatch+combine", pair, nccl_pair, 2 * T * K * H * 2 * (W - 1) // W)]
         for algo in ("oneshot", "twoshot"):
             def ours(algo=algo):
                 all_reduce(b, None, T, algo=algo, timeout_s=a.timeout, check=False)
@@ -204,9 +214,9 @@ def real_mode(a):
             json.dump(dict(gpus=W, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
         print(f"{W} x {torch.cuda.get_device_name()}, H {H}, k {K}, E {E}, bf16 (rank 0's view; "
               f"bytes per GPU = what it sends to the other ranks)")
-        print(f"{'op':<20}{'T/rank':>7}{'ours us':>10}{'NCCL us':>10}{'ours GB/s':>11}{'NCCL GB/s':>11}")
+        print(f"{'op':<26}{'T/rank':>7}{'ours us':>10}{'NCCL us':>10}{'ours GB/s':>11}{'NCCL GB/s':>11}")
         for r in rows:
-            print(f"{r['op']:<20}{r['T']:>7}{r['gpu_us']:>10.1f}{r['nccl_us']:>10.1f}"
+            print(f"{r['op']:<26}{r['T']:>7}{r['gpu_us']:>10.1f}{r['nccl_us']:>10.1f}"
                   f"{r['gbps_per_gpu']:>11.1f}{r['nccl_gbps_per_gpu']:>11.1f}")
     dist.destroy_process_group()
 
