@@ -190,7 +190,9 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
             target, met = "-", None
         rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, tbps=nbytes / (us * 1e-6) / 1e12,
                          ratio_copy=nbytes / (us * 1e-6) / bw, ref_us=ref_us, speedup=ref_us / us,
-                         gather_us=gather_us, stream_us=stream_us, write_floor_us=write_floor_us, floor_us=floor_us, target=target, target_met=met, bytes=nbytes))
+                         gather_us=gather_us, stream_us=stream_us,
+                         write_floor_us=write_floor_us, floor_us=floor_us, target=target,
+                         target_met=met, bytes=nbytes))
     return rows
 
 

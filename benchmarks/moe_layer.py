@@ -43,7 +43,6 @@ import time
 import torch
 
 from moe_runtime import MoELayer, swap_moe_layers
-from moe_runtime.experts import GEMV_MAX_ROWS
 from moe_runtime.kernels.grouped_gemm import tile_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -142,13 +141,13 @@ def tile_flops_floor(layer: MoELayer, inputs, flops: float) -> float | None:
     """µs of the FLOPs the grouped GEMMs compute when each expert's rows are rounded up to the
     quack tile's M (kernels/grouped_gemm.tile_config; every expert runs whole M tiles) at the
     bf16 matmul rate, plus the shared expert and the router; averaged over the inputs'
-    routings. None where the layer takes the GEMV path (T * k <= GEMV_MAX_ROWS) or quack
-    does not run."""
+    routings. None where the layer takes the GEMV path (Experts._gemv: T * k rows within
+    GEMV_MAX_ROWS and 1.5 x the experts) or quack does not run."""
     c = layer.config
     H, I, E, k = c.hidden_size, c.moe_intermediate_size, c.num_experts, c.top_k
     T = inputs[0].shape[0]
     ex = layer.experts
-    if T * k <= GEMV_MAX_ROWS or not ex._quack(inputs[0].device, inputs[0].dtype):
+    if ex._gemv(inputs[0], T * k) or not ex._quack(inputs[0].device, inputs[0].dtype):
         return None
     major = torch.cuda.get_device_capability()[0]
     tiles = {g: tile_config(T * k / E, g, major)[0] for g in ("gate_up", "down")}

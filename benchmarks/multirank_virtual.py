@@ -156,6 +156,9 @@ def real_mode(a):
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, W = dist.get_rank(), dist.get_world_size()
     H, K, E = a.hidden, a.topk, a.experts
+    if any(T * K % W for T in a.tokens):
+        raise SystemExit(f"--real: tokens * topk must divide by the {W} ranks (NCCL's even "
+                         f"all_to_all_single splits), got tokens {a.tokens}, topk {K}")
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(rank)
     for T in a.tokens:  # buffers sized T per rank: dispatch decode (one launch) up to 128
@@ -213,7 +216,8 @@ def real_mode(a):
         with open(out, "w") as f:
             json.dump(dict(gpus=W, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
         print(f"{W} x {torch.cuda.get_device_name()}, H {H}, k {K}, E {E}, bf16 (rank 0's view; "
-              f"bytes per GPU = what it sends to the other ranks)")
+              f"GB/s per GPU: all-to-all = bytes this rank sends to the others, all-reduce = "
+              f"NCCL's bus bandwidth 2 (W-1)/W x bytes)")
         print(f"{'op':<26}{'T/rank':>7}{'ours us':>10}{'NCCL us':>10}{'ours GB/s':>11}{'NCCL GB/s':>11}")
         for r in rows:
             print(f"{r['op']:<26}{r['T']:>7}{r['gpu_us']:>10.1f}{r['nccl_us']:>10.1f}"

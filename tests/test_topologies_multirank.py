@@ -108,7 +108,7 @@ def w_case(rank, world, topo_name, case):
                                  topo.expert_start), res)
     n = int(res.expert_offsets[-1])
     return {"y_id": y_id.cpu(), "y": y.cpu(), "offsets": res.expert_offsets.cpu(),
-            "rows": res.expert_x[:n].cpu(), "expert_start": topo.expert_start,
+            "rows": res.expert_x[:n].clone().cpu(), "expert_start": topo.expert_start,
             "x_contig": x.is_contiguous(), "T": x.shape[0], "device": str(y.device)}
 
 
@@ -289,10 +289,12 @@ def check_against_local(pool, world, topo_name, case):
             assert torch.equal(y, y_ref)
         else:
             torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
-        if exact and topo_name == "tp" and case["dtype"] != torch.float32 and case["experts"] != "swiglu":
+        if topo_name == "tp" and case["dtype"] != torch.float32 and case["experts"] != "swiglu":
             # fp32 all-reduce, one rounding: only the fp32 summation order differs from local,
-            # so almost every element is bit-identical (a bf16 all-reduce misses this badly)
-            assert int((y != y_ref).sum()) <= max(1, y.numel() // 100), (y != y_ref).sum()
+            # so almost every element is bit-identical (a bf16 all-reduce misses this badly);
+            # on GPUs the order differs more (looser bound)
+            bound = y.numel() // (100 if exact else 10)
+            assert int((y != y_ref).sum()) <= max(1, bound), (y != y_ref).sum()
 
 
 @pytest.mark.parametrize("topo_name", TOPOS)

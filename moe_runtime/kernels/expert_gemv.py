@@ -20,7 +20,7 @@ DeepSeek-V3's gate_up_proj).
 Launched as a programmatic dependent launch (PDL): the blocks become resident while the
 previous launch (the dispatch, or the gate/up GEMV before the down GEMV) finishes and wait for
 it (griddepcontrol.wait) before any global access; each block lets the next launch start once
-its weight loads are done. (Prefetching the expert's weight rows into L2 before the wait, from
+its weight loads are issued. (Prefetching the expert's weight rows into L2 before the wait, from
 offsets the previous launch may still be writing, made the GEMVs slower on the H200: whole
 rows thrashed L2, DeepSeek-V3 at T=1 took 231 instead of 168 us; the first chunk of each row
 still cost 5-14% at T <= 8.)

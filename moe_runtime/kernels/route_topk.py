@@ -17,7 +17,8 @@ Counts: a shared-memory histogram per block, one global atomic per (block, exper
 block (sync/grid_barrier.last_block_arrive) copies the totals to `counts` and clears them.
 Workspace int32 [workspace_words(E)]: [0] arrival counter, [4 : 4 + E] counts.
 Every block lets the next launch start at once (griddepcontrol.launch_dependents, PDL): the
-decode dispatch (dispatch_decode.py) then overlaps its start and its x loads with this kernel.
+decode dispatch (dispatch_decode.py) then becomes resident while this kernel runs (it waits for
+this grid before any global access).
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
     warp = cute.arch.warp_idx()
     neg_inf = -Float32.inf
     # the next launch (decode dispatch, a programmatic dependent launch) may start now: it
-    # loads its x rows and waits for this grid before reading the ids
+    # waits for this grid before any global access
     cute.arch.griddepcontrol_launch_dependents()
 
     smem = cutlass.memory.SmemAllocator()

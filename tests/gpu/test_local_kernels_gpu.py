@@ -239,8 +239,8 @@ def test_dispatch_and_combine_in_a_cuda_graph(ops):
 @pytest.mark.parametrize("mode", MODES)
 def test_programmatic_dependent_launch_chains_match_synchronized_runs(ops, mode):
     """Programmatic dependent launches (the router lets the decode dispatch start early; the
-    slots launch lets the prefill copy start early; the GEMVs prefetch weights and the combine
-    becomes resident before their predecessor ends) in the decode chain route -> dispatch ->
+    slots launch lets the prefill copy start early; the GEMVs and the combine become resident
+    before their predecessor ends) in the decode chain route -> dispatch ->
     GEMV -> GEMV -> combine, plus a dispatch of a GEMV's output straight after that GEMV and a
     combine of that dispatch's rows straight after it, give back to back bit for bit what they
     give with a device sync after every launch: no kernel reads its input before the kernel
