@@ -11,7 +11,8 @@
 
 Skipped, with the reason, on machines with fewer than two GPUs. Every pool call is bounded
 (RUN_TIMEOUT_S in test_topologies_cute_gpu.py); device-side waits by the topologies' timeout_s.
-Keep NCCL_NVLS_ENABLE=0 (set below when unset): NVLink multicast must not run on shared hosts.
+Keep NCCL_NVLS_ENABLE=0 (set for this module when unset): NVLink multicast must not run on
+shared hosts.
 
 Run: source .device/setup.sh && python3 -m pytest -m gpu tests/gpu/test_multi_gpu.py
 """
@@ -25,10 +26,19 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs 2 GPUs, one per rank (issue 6)")]
 pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from test_topologies_cute_gpu import CASES as CUTE_CASES, W, check, run, w_auto, w_compare  # noqa: E402,F401
 from test_topologies_multirank import BASE, CASES, TOPOS, check_against_local  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_nvlink_multicast():
+    """NCCL_NVLS_ENABLE=0 for the rank processes of this module (inherited at spawn) when the
+    environment does not set it; restored afterwards (other tests read these variables)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if "NCCL_NVLS_ENABLE" not in os.environ:
+            mp.setenv("NCCL_NVLS_ENABLE", "0")
+        yield
 
 
 @pytest.mark.parametrize("case_name", list(CASES))
