@@ -25,8 +25,12 @@ Differences from the HF module, by design:
       and OLMoE round the weights to the activation dtype first and accumulate per expert in the
       activation dtype. In fp32 the two agree to rounding; in bf16 they differ by bf16 rounding.
     * Mixtral's `router_jitter_noise` (training only) is not applied.
-    * state_dict keys follow MoELayer (`mlp.router.weight`, `mlp.shared_expert.gate.weight`, ...),
-      not HF's (`mlp.gate.weight`, `mlp.shared_expert_gate.weight`): save checkpoints before the swap.
+    * The parameters are named as in MoELayer (`router.weight`, `shared_expert.gate.weight`,
+      ...), but each replacement's state_dict uses the HF block's names (`gate.weight`,
+      `shared_expert_gate.weight`, ...) and its load_state_dict takes them (state_dict hooks,
+      `_hf_names`), so `save_pretrained` after the swap writes a checkpoint HF loads as is, and
+      an HF state_dict loads into the swapped model. (Under a multi-rank topology a rank's
+      state_dict holds its own slice of the routed experts.)
     * `output_router_logits=True`: HF records router logits with forward hooks on its router
       classes, which the swapped model no longer contains; each replacement therefore has a
       forward pre-hook that recomputes its router logits [T, E] (Router.logits, HF's dtype) and
@@ -226,9 +230,34 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     if left:  # every tensor must come from the HF block
         raise RuntimeError(f"{fam.name}: no HF tensor for {left}")
     layer.train(block.training)
+    names = _hf_names(fam, cfg, layer)
+    layer.register_state_dict_post_hook(_rename_keys(names))
+    layer.register_load_state_dict_pre_hook(_rename_keys({hf: ours for ours, hf in names.items()}))
     if _output_collector() is not None:
         layer.register_forward_pre_hook(_record_router_logits, with_kwargs=True)
     return layer
+
+
+def _hf_names(fam: _Family, cfg: MoEConfig, layer: MoELayer) -> dict[str, str]:
+    """{MoELayer state_dict key: the HF block's key} for the keys whose names differ."""
+    names = {"router.weight": "gate.weight"}
+    if cfg.use_correction_bias:
+        names["router.e_score_correction_bias"] = "gate.e_score_correction_bias"
+    if layer.shared_expert is not None:
+        for n in _MLP_NAMES:
+            names[f"shared_expert.{n}.weight"] = f"{fam.shared}.{n}.weight"
+        if cfg.shared_expert_gate:
+            names["shared_expert.gate.weight"] = f"{fam.shared_gate}.weight"
+    return {ours: hf for ours, hf in names.items() if ours != hf}
+
+
+def _rename_keys(names: dict[str, str]):
+    """A state_dict post-hook / load_state_dict pre-hook (both get (module, state_dict, prefix,
+    ...)) that renames the keys prefix + old to prefix + new for old -> new in `names`."""
+    def hook(module, state_dict, prefix, *args):
+        for old in [k for k in names if prefix + k in state_dict]:
+            state_dict[prefix + names[old]] = state_dict.pop(prefix + old)
+    return hook
 
 
 def _output_collector():

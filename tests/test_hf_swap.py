@@ -474,3 +474,27 @@ def test_router_logits_with_cuda_graphs_match_eager_on_every_call():
         for a, b in zip(out.router_logits, ref.router_logits):
             assert a.shape == b.shape == (6, 8) and rel_err(a, b) <= 1e-6
         assert rel_err(out.aux_loss, ref.aux_loss) <= 1e-5 and rel_err(out.logits, ref.logits) <= 1e-5
+
+
+@pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("qwen2_moe", False),
+                                         ("mixtral", None), ("olmoe", True), ("deepseek_v3", True)])
+def test_state_dict_keeps_hf_names_and_save_pretrained_round_trips(family, norm, tmp_path):
+    """After the swap the model's state_dict has exactly the HF keys and tensors, save_pretrained
+    writes a checkpoint that HF loads with no missing or unexpected key and the same logits, and
+    an HF state_dict loads (strict) into a swapped model."""
+    model = tiny_model(family, norm)
+    hf_state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids).logits
+        swap_moe_layers(model)
+        state = model.state_dict()
+        assert sorted(state) == sorted(hf_state)
+        assert all(torch.equal(state[k], t) for k, t in hf_state.items())
+        model.save_pretrained(tmp_path)
+        back, info = type(model).from_pretrained(tmp_path, output_loading_info=True, **EAGER)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        assert torch.equal(back.eval()(ids).logits, ref)
+        other = swap_moe_layers(tiny_model(family, norm, seed=7))
+        other.load_state_dict(hf_state)
+        assert rel_err(other(ids).logits, ref) <= 1e-5
