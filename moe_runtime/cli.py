@@ -155,11 +155,11 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     Raises:
         UsageError: a prompt that is empty or too long, a world size that does not divide the
             experts, or a topology that does not fit the world size.
-        FileNotFoundError, ValueError (CheckpointError): no config.json, no weights, bad config.
+        FileNotFoundError, ValueError (CheckpointError): no config.json, no weights, no
+            tokenizer, bad config.
     """
-    from transformers import AutoTokenizer
-
-    from .engine.driver import check_prompts, check_weights, check_world_size, choose_topology
+    from .engine.driver import (check_prompts, check_weights, check_world_size, choose_topology,
+                                load_tokenizer)
     from .models import read_spec
     spec = read_spec(model_dir, args.dtype)[0]
     check_weights(model_dir)
@@ -170,7 +170,7 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
             choose_topology(args.topology, world_size, attention=args.attention)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     try:
         check_prompts([tokenizer(p)["input_ids"] for p in prompts], spec, args.max_new_tokens)
     except ValueError as e:

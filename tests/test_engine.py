@@ -371,3 +371,22 @@ def test_checkpoint_without_weights_fails_before_ray_starts(ckpt, tmp_path):
                                               "model.safetensors.index.json"):
         Engine(cfg_only, world_size=1, topology="local")
     assert ray.is_initialized() == started
+
+
+def test_checkpoint_without_tokenizer_fails_before_ray_starts(ckpt, tmp_path):
+    """Weights and config but no tokenizer files (a model's save_pretrained alone): transformers
+    returns an empty tokenizer there; Engine() and the CLI name the missing tokenizer instead of
+    calling every prompt empty."""
+    import ray
+
+    from moe_runtime.cli import main
+    from moe_runtime.models import CheckpointError
+    no_tok = str(tmp_path / "no_tokenizer")
+    os.makedirs(no_tok)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(ckpt, f), no_tok)
+    started = ray.is_initialized()
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        Engine(no_tok, world_size=1, topology="local")
+    assert ray.is_initialized() == started
+    assert main(["generate", "--model", no_tok, "--prompt", "hello world"]) != 0

@@ -146,6 +146,26 @@ def check_weights(model_dir: str) -> None:
                               "without --force, cannot generate)")
 
 
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer (transformers.AutoTokenizer), refused when it turns text into
+    no tokens: transformers 5 returns a tokenizer with an empty vocabulary for a directory
+    without tokenizer files (e.g. written by a model's save_pretrained alone), which would make
+    every prompt empty.
+
+    Raises:
+        CheckpointError: no tokenizer in model_dir (names the directory and the files looked for).
+    """
+    from transformers import AutoTokenizer
+
+    from ..models.loader import CheckpointError
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not tokenizer("a b c")["input_ids"]:
+        raise CheckpointError(f"{model_dir}: no tokenizer (it turns text into no tokens): put "
+                              "the model's tokenizer files there (tokenizer.json / "
+                              "tokenizer_config.json, e.g. tokenizer.save_pretrained(model_dir))")
+    return tokenizer
+
+
 class Engine:
     """Driver of W RankWorker actors serving one checkpoint.
 
@@ -171,7 +191,7 @@ class Engine:
     Raises:
         FileNotFoundError: model_dir has no config.json.
         CheckpointError: (a ValueError) model_dir has no model.safetensors or
-            model.safetensors.index.json (before Ray starts).
+            model.safetensors.index.json, or no tokenizer (before Ray starts).
         RankError: a rank failed while starting or loading (all actors are gone afterwards).
         TimeoutError: the cluster could not place world_size ranks within timeout_s.
         TypeError: world_size not an int.
@@ -207,13 +227,11 @@ class Engine:
         self.rank_info: list[dict] = []
         self.device: Optional[str] = None  # "cuda" or "cpu" once Ray is up
         self._started_ray = False
-        from transformers import AutoTokenizer
-
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
         check_weights(model_dir)  # so do missing weights
         check_world_size(self.spec, world_size)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)  # and a missing tokenizer
         try:
             self._start_ray(ray_address, device, ray_init_kwargs or {})
             self._start_workers()
