@@ -388,6 +388,29 @@ def test_dp_ranks_with_different_rows_raise_instead_of_aborting(pools, topo_name
         assert msg is not None and "same hidden size and dtype" in msg and f"rank {rank}" in msg, msg
 
 
+def w_tp_different_tokens(rank, world, what):
+    """tp with rank 1 passing other tokens (3 more, or a wider hidden) than rank 0."""
+    topo = make_topology("tp", E, backend="reference", timeout_s=10)
+    T = 6 if (what == "tokens" and rank == 1) else 3
+    H = 16 if (what == "hidden" and rank == 1) else 8
+    x = torch.randn(T, H)
+    ids = torch.tensor([[0, 5]] * T, dtype=torch.int32)
+    res = topo.dispatch(x, ids, torch.rand(T, 2))
+    try:
+        topo.combine(res.expert_x, res)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("what", ["tokens", "hidden"])
+def test_tp_ranks_with_different_tokens_raise_instead_of_aborting(pools, what):
+    """Before the check, gloo aborted rank 1's process (SIGABRT) in the combine's all-reduce."""
+    for rank, msg in enumerate(pools(2).run(w_tp_different_tokens, what, timeout_s=30)):
+        assert msg is not None and "same tokens" in msg and f"rank {rank}" in msg, msg
+        assert ("(6, 8)" if what == "tokens" else "(3, 16)") in msg, msg
+
+
 def test_make_topology_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_experts must be >= 1"):
         make_topology("local", 0)

@@ -42,8 +42,9 @@ class TPTopology(PeerBufferTopology):
     skewed). Experts chooses its kernels from it (e.g. the decode GEMV at T=16, k=8, W=4:
     32 expected rows, not 128); reading the real count would be a host sync.
     combine(expert_y [>= N, H]) -> y [T, H] in expert_y.dtype, identical on every rank.
-    Every rank must pass the same x, topk_ids and topk_weights (not checked: it would cost a
-    collective). Constructor arguments and errors: see PeerBufferTopology and GroupTopology
+    Every rank must pass the same x, topk_ids and topk_weights: the reference backend checks
+    the token count and hidden size (a small all-reduce before the combine's; ValueError on
+    every rank), the cute one checks nothing (it would cost a collective per call). Constructor arguments and errors: see PeerBufferTopology and GroupTopology
     (max_tokens_per_rank bounds T, the replicated batch); combine raises CollectiveError
     (reference) or PeerTimeoutError / PeerDataError (cute) when a peer stalls or dies.
     """
@@ -70,6 +71,21 @@ class TPTopology(PeerBufferTopology):
             return tp_combine_all_reduce(h["peer_buffers"], [expert_y], h["token_slot"][None],
                                          h["topk_weights"], **self._kernel_bounds())[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
+        self._check_same_tokens(partial)
         all_reduce_sum(partial, group=self.group, step=self._step("combine all_reduce"),
                        timeout_s=self.timeout_s)
         return partial.to(expert_y.dtype)
+
+    def _check_same_tokens(self, partial: torch.Tensor) -> None:
+        """Reference backend: every rank's (T, H) through a fixed-size all-reduce before the
+        [T, H] one, whose mismatched sizes would abort the process (gloo) or hang (NCCL).
+
+        Raises:
+            ValueError: on every rank, naming each rank's (tokens, hidden)."""
+        shapes = torch.zeros(self.world_size, 2, dtype=torch.int64, device=partial.device)
+        shapes[self.rank] = torch.tensor(partial.shape)
+        all_reduce_sum(shapes, group=self.group, step=self._step("combine shapes"),
+                       timeout_s=self.timeout_s)
+        if bool((shapes != shapes[self.rank]).any()):
+            raise ValueError(f"tp rank {self.rank}: every rank must pass the same tokens; "
+                             f"(tokens, hidden) per rank {[tuple(r) for r in shapes.tolist()]}")
