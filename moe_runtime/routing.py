@@ -45,7 +45,21 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k])."""
+        """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]).
+
+        Raises:
+            ValueError: x not 2-D with H = the router weight's width, or on another device.
+            TypeError: x not floating point, or (unless config.router_logits_fp32, which
+                computes the logits in fp32 from any float x) not in the router weight's dtype.
+        """
+        w = self.weight
+        if x.dim() != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"router input must be [T, {w.shape[1]}], got {tuple(x.shape)}")
+        if not x.is_floating_point() or (x.dtype != w.dtype and not self.config.router_logits_fp32):
+            raise TypeError(f"router input must be {w.dtype} (the router weight's dtype), got "
+                            f"{x.dtype}")
+        if x.device != w.device:
+            raise ValueError(f"router input is on {x.device}, the router weight on {w.device}")
         c = self.config
         ops = get_ops(resolve_backend(self.backend, x.device))
         ids, weights, _ = ops.route(

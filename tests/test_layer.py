@@ -347,3 +347,23 @@ def test_layer_is_differentiable_only_when_autograd_records(monkeypatch):
     assert entered == [True]
     layer(x.requires_grad_())
     assert entered == [True, True]
+
+
+def test_router_refuses_bad_inputs_by_name():
+    from moe_runtime.routing import Router
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
+                    dtype=torch.bfloat16)
+    router = Router(cfg, backend="reference")
+    with pytest.raises(ValueError, match=r"\[T, 16\], got \(3, 8\)"):
+        router(torch.randn(3, 8, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="must be torch.bfloat16.*got torch.float32"):
+        router(torch.randn(3, 16))
+    with pytest.raises(TypeError, match="got torch.int64"):
+        router(torch.ones(3, 16, dtype=torch.long))
+    ids, w = router(torch.randn(3, 16, dtype=torch.bfloat16))
+    assert ids.shape == w.shape == (3, 2)
+    # fp32 router logits (DeepSeek-V3) take any float input, e.g. bf16 x with an fp32 weight
+    fp32_logits = Router(MoEConfig(hidden_size=16, num_experts=4, top_k=2,
+                                   moe_intermediate_size=8, dtype=torch.float32,
+                                   router_logits_fp32=True), backend="reference")
+    assert fp32_logits(torch.randn(3, 16, dtype=torch.bfloat16))[0].shape == (3, 2)
