@@ -61,14 +61,26 @@ def _shard_size(text: str) -> int:
             f"got {text!r}") from None
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, except None / False ones (nothing to show)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_make_checkpoint(sub) -> None:
     from .models.make_checkpoint import ARCH_NAMES, PRESETS
-    p = sub.add_parser("make-checkpoint", help="write a random-weight HF checkpoint + tokenizer")
+    p = sub.add_parser("make-checkpoint", help="write a random-weight HF checkpoint + tokenizer",
+                       formatter_class=_DefaultsHelp)
     p.add_argument("out_dir")
-    p.add_argument("--arch", choices=sorted(ARCH_NAMES), default="qwen3-moe")
-    p.add_argument("--preset", choices=PRESETS, default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--arch", choices=sorted(ARCH_NAMES), default="qwen3-moe",
+                   help="model family")
+    p.add_argument("--preset", choices=PRESETS, default="tiny", help="model size")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weight dtype (default: the preset's)")
     p.add_argument("--max-shard-size", type=_shard_size, default=None,
                    help='e.g. "200KB", "500MB", "2GB" or bytes: sharded safetensors + index')
     p.add_argument("--force", action="store_true",
@@ -78,21 +90,25 @@ def _add_make_checkpoint(sub) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by generate and demo (and the deploy job entry)."""
     from .engine.driver import TOPOLOGY_CHOICES
-    p.add_argument("--world-size", type=_int_at_least(1), default=None, help="ranks, one Ray actor each")
-    p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto")
-    p.add_argument("--attention", choices=("dp", "tp"), default="dp",
-                   help="with --topology auto: data-parallel (each rank its own requests, "
-                        "experts partitioned) or tensor-parallel attention")
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=32)
+    p.add_argument("--world-size", type=_int_at_least(1), default=None, help="ranks, one Ray actor each (default: 1; demo: 2)")
+    p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto",
+                   help="how ranks exchange tokens (auto: picked from the cluster)")
+    p.add_argument("--attention", choices=("dp", "tp"), default=None,
+                   help="with --topology auto only: data-parallel (each rank its own requests, "
+                        "experts partitioned; the default) or tensor-parallel attention")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=32,
+                   help="tokens generated per prompt (demo: 16)")
     p.add_argument("--temperature", type=_float_in("a finite number >= 0", lambda t: math.isfinite(t) and t >= 0),
                    default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0,
+                   help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ray-address", default=None,
                    help='join this Ray cluster ("auto" or host:port); default: start Ray embedded')
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: GPU ranks when the Ray cluster has any GPU, else CPU ranks")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="compute dtype (auto: the checkpoint's)")
     p.add_argument("--timeout", type=_float_in("finite and >= 0.001 (seconds)",
                                                lambda t: math.isfinite(t) and t >= 1e-3),
                    default=300.0,
@@ -101,16 +117,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate completions with one Ray actor per rank")
+    p = sub.add_parser("generate", help="generate completions with one Ray actor per rank",
+                       formatter_class=_DefaultsHelp)
     p.add_argument("--model", required=True, help="HF-format checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    src.add_argument("--prompts-file", help="one prompt per line")
+    src.add_argument("--prompts-file", help="one prompt per line (blank lines are skipped)")
     add_engine_args(p)
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="tiny Qwen3-MoE checkpoint (cached), 2 CPU ranks, embedded Ray")
+    p = sub.add_parser("demo", help="tiny Qwen3-MoE checkpoint (cached), 2 CPU ranks, embedded Ray",
+                       formatter_class=_DefaultsHelp)
     add_engine_args(p)
     p.set_defaults(world_size=2, max_new_tokens=16, device="cpu", no_progress=True)
 
@@ -165,9 +183,12 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     check_weights(model_dir)
     world_size = 1 if args.world_size is None else args.world_size
     try:
+        if args.attention is not None and args.topology != "auto":
+            raise ValueError(f"--attention applies to --topology auto only; topology "
+                             f"{args.topology!r} fixes how attention is split")
         check_world_size(spec, world_size)
         if args.topology != "auto":
-            choose_topology(args.topology, world_size, attention=args.attention)
+            choose_topology(args.topology, world_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
     tokenizer = load_tokenizer(model_dir)
@@ -187,7 +208,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
         engine = Engine(model_dir, world_size=1 if args.world_size is None else args.world_size, topology=args.topology,
-                        attention=args.attention,
+                        attention=args.attention or "dp",
                         ray_address=args.ray_address, device=args.device, dtype=args.dtype,
                         timeout_s=args.timeout, progress=not args.no_progress)
         print(f"loaded {model_dir} on {engine.world_size} {engine.device} rank(s)", flush=True)

@@ -245,7 +245,9 @@ def no_engine(monkeypatch):
     (["--prompt", "hi", "--prompt", "hello world", "--max-new-tokens", "510"],
      "prompt 1 (5 tokens) + max_new_tokens (510) exceeds max_position_embeddings (512)"),
     (["--prompt", "hi", "--world-size", "3"], "num_experts (8) must be divisible by world_size (3)"),
-    (["--prompt", "hi", "--world-size", "2", "--topology", "local"], "topology 'local' needs world size 1")])
+    (["--prompt", "hi", "--world-size", "2", "--topology", "local"], "topology 'local' needs world size 1"),
+    (["--prompt", "hi", "--world-size", "2", "--topology", "tp", "--attention", "dp"],
+     "--attention applies to --topology auto only")])
 def test_generate_input_errors_are_found_before_ray_starts(ckpt, capsys, no_engine, argv, message):
     assert cli_main(["generate", "--model", str(ckpt)] + argv) == 2
     err = capsys.readouterr().err
@@ -278,3 +280,13 @@ def test_engine_dependencies_are_core_dependencies():
     core = {d.split(">")[0].split("=")[0].split("[")[0] for d in project["dependencies"]}
     assert {"transformers", "tokenizers", "safetensors", "ray"} <= core
     assert "transformers>=5.0" in project["dependencies"]
+
+
+def test_help_shows_defaults(capsys):
+    from moe_runtime.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 32)", "(default: auto)", "(default: 300.0)", "(default: 1; demo: 2)"):
+        assert shown in out, shown
+    assert "(default: None)" not in out
