@@ -44,7 +44,8 @@ class TPTopology(PeerBufferTopology):
     combine(expert_y [>= N, H]) -> y [T, H] in expert_y.dtype, identical on every rank.
     Every rank must pass the same x, topk_ids and topk_weights: the reference backend checks
     the token count and hidden size (a small all-reduce before the combine's; ValueError on
-    every rank), the cute one checks nothing (it would cost a collective per call). Constructor arguments and errors: see PeerBufferTopology and GroupTopology
+    every rank), the cute one checks nothing (it would cost a collective per call).
+    Constructor arguments and errors: see PeerBufferTopology and GroupTopology
     (max_tokens_per_rank bounds T, the replicated batch); combine raises CollectiveError
     (reference) or PeerTimeoutError / PeerDataError (cute) when a peer stalls or dies.
     """
@@ -82,10 +83,11 @@ class TPTopology(PeerBufferTopology):
 
         Raises:
             ValueError: on every rank, naming each rank's (tokens, hidden)."""
-        shapes = torch.zeros(self.world_size, 2, dtype=torch.int64, device=partial.device)
+        shapes = torch.zeros(self.world_size, 2, dtype=torch.int64)
         shapes[self.rank] = torch.tensor(partial.shape)
-        all_reduce_sum(shapes, group=self.group, step=self._step("combine shapes"),
-                       timeout_s=self.timeout_s)
-        if bool((shapes != shapes[self.rank]).any()):
+        shapes = all_reduce_sum(shapes.to(partial.device), group=self.group,
+                                step=self._step("combine shapes"), timeout_s=self.timeout_s)
+        per_rank = [tuple(r) for r in shapes.tolist()]
+        if len(set(per_rank)) > 1:
             raise ValueError(f"tp rank {self.rank}: every rank must pass the same tokens; "
-                             f"(tokens, hidden) per rank {[tuple(r) for r in shapes.tolist()]}")
+                             f"(tokens, hidden) per rank {per_rank}")
