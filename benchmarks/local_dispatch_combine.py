@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass import Int32
 
-from moe_runtime.kernels import cute_compile, cute_ops, dispatch_slots, reference
+from moe_runtime.kernels import cute_compile, cute_ops, dispatch_slots, reference, route_topk
 
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 8), "deepseek-v3": (7168, 256, 8), "mixtral": (4096, 8, 2)}
 TOKENS = (1, 8, 64, 128, 512, 4096, 16384)
@@ -221,9 +221,37 @@ def sweep(name, H, E, k, tokens=SWEEP):
 
 
 def tune(name, H, E, k):
-    """Launch shapes (warps, V) of the prefill copy kernel and of combine at large T: µs and
-    fraction of copy bandwidth per variant (the copy launch alone, after a slots launch)."""
+    """Launch shapes, µs per variant: the router kernel's warps per block (without counts, as
+    MoELayer runs it) from decode to prefill sizes (cute_compile.ROUTE_DECODE_MAX_TOKENS);
+    the decode dispatch's warps per block (item cap 256 per warp) at T <= 256
+    (cute_compile.DISPATCH_DECODE_SHAPES); (warps, V) of the prefill copy kernel (the copy
+    launch alone, after a slots launch) and of combine at large T."""
     out = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bias = torch.zeros(E, device="cuda")
+    for T in (1, 128, 256, 512, 1024, 4096):
+        logits = torch.randn(T, E, device="cuda").to(torch.bfloat16)
+        ids, w = torch.empty(T, k, dtype=torch.int32, device="cuda"), torch.empty(T, k, device="cuda")
+        counts = torch.empty(E, dtype=torch.int32, device="cuda")
+        ws = torch.zeros(route_topk.workspace_words(E), dtype=torch.int32, device="cuda")
+        for mode, warps in cute_compile.ROUTE_WARPS.items():
+            fn = cute_compile.route_fn("bfloat16", E, k, False, False, 1, 1, True, False, warps)
+            grid = min(-(-T // warps), (4 if mode == "decode" else 2) * sms)
+            us = graph_us(lambda: fn(logits, bias, ids, w, counts, ws, 1.0, grid))
+            out.append(dict(shape=name, T=T, op="route", warps=warps, us=us, bytes=T * E * 2))
+    for T in (1, 8, 32, 64, 128, 256):
+        x, ids, _ = problem(T, H, E, k)
+        ex = torch.empty(T * k, H, dtype=x.dtype, device="cuda")
+        offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        slot = torch.empty_like(ids)
+        for warps, *_ in cute_compile.DISPATCH_DECODE_SHAPES:
+            if T * k > warps * 256:
+                continue
+            fn = cute_compile.dispatch_decode_fn("bfloat16", H, E, k, warps)
+            us = graph_us(lambda: fn(x, ids, ex, offsets, slot, 0, 1,
+                                     cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM * sms))
+            out.append(dict(shape=name, T=T, op="dispatch_decode", warps=warps, us=us,
+                            bytes=dispatch_bytes(T, H, k)))
     for T in (4096, 16384):
         x, ids, w = problem(T, H, E, k)
         rank = torch.empty_like(ids)
@@ -332,10 +360,11 @@ def main():
               f"{r['write_floor_us']:8.2f} {r['ref_us']:9.1f} {r['speedup']:7.1f} "
               f"{r['target']:>15s} {met}")
     if tuned:
-        print("launch shapes at large T (fraction of copy bandwidth):")
+        print("launch shapes (µs, fraction of copy bandwidth):")
         for r in tuned:
-            print(f"  {r['shape']:14s} T={r['T']:5d} {r['op']:13s} warps={r['warps']} V={r['v']} "
-                  f"{r['us']:8.2f} us {r['bytes'] / (r['us'] * 1e-6) / bw:5.2f}")
+            print(f"  {r['shape']:14s} T={r['T']:5d} {r['op']:15s} warps={r['warps']} "
+                  f"V={r.get('v', cute_compile.DISPATCH_DECODE_V)} {r['us']:8.2f} us "
+                  f"{r['bytes'] / (r['us'] * 1e-6) / bw:5.2f}")
     print(f"wrote {out} ({time.time() - t0:.0f} s)")
 
 

@@ -28,8 +28,10 @@ experts (the weights of one call do not sit in L2 for the next). `vs floor` = be
 max(floors); `speedup` = hf / best of ours; `diff` = max |ours - hf| / max |hf| on one input.
 
 Targets (Qwen3-30B-A3B): T=1 <= 40 µs, T=4096 <= 600 µs; printed, never asserted.
+`--stages` adds, per (shape, T), the layer's GPU kernels from torch.profiler over eager forwards
+(µs per forward by kernel name, and their sum): where a row's time goes.
 Usage: python benchmarks/moe_layer.py [--quick] [--shapes qwen3-30b-a3b,mixtral] [--tokens 1,4096]
-       [--out bench_out/moe_layer.json]
+       [--stages] [--out bench_out/moe_layer.json]
 """
 from __future__ import annotations
 
@@ -160,7 +162,28 @@ def tile_flops_floor(layer: MoELayer, inputs, flops: float) -> float | None:
     return total / len(inputs) / flops * 1e6
 
 
-def run_shape(name: str, tokens, bw: float, flops: float) -> list[dict]:
+def kernel_stages(fn, inputs) -> dict[str, float]:
+    """µs per call of each GPU kernel fn(x) launches (by kernel name, first 60 characters),
+    from torch.profiler over one eager call per input; "sum" is their total."""
+    from torch.profiler import ProfilerActivity, profile
+    for x in inputs[:2]:
+        fn(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for x in inputs:
+            fn(x)
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            key = ev.name[:60]
+            per[key] = per.get(key, 0.0) + ev.device_time / len(inputs)
+    per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    per["sum"] = sum(per.values())
+    return per
+
+
+def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False) -> list[dict]:
     block = hf_block(name)
     layer = swap_moe_layers(block, backend="cute")  # shares the block's weights
     rows = []
@@ -177,6 +200,8 @@ def run_shape(name: str, tokens, bw: float, flops: float) -> list[dict]:
                     row["tile_flops_floor_us"] = tile_floor
                 layer.disable_cuda_graphs()
                 row["eager_us"] = timed_us(layer, inputs)
+                if stages:
+                    row["stages_us"] = kernel_stages(layer, inputs)
                 y = layer(inputs[0]).float()
                 hf = lambda x: block(x.view(1, *x.shape))  # noqa: E731
                 try:
@@ -203,6 +228,8 @@ def run_shape(name: str, tokens, bw: float, flops: float) -> list[dict]:
             layer.disable_cuda_graphs()
         rows.append(row)
         print(fmt(row), flush=True)
+        for kname, us in row.get("stages_us", {}).items():
+            print(f"    {us:9.1f} us  {kname}", flush=True)
     del layer, block
     torch.cuda.empty_cache()
     return rows
@@ -233,6 +260,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, T {QUICK_TOKENS}")
     ap.add_argument("--shapes", help=f"comma-separated subset of {sorted(SHAPES)}")
     ap.add_argument("--tokens", help="comma-separated token counts")
+    ap.add_argument("--stages", action="store_true", help="also profile the layer's kernels")
     ap.add_argument("--out", default="bench_out/moe_layer.json")
     a = ap.parse_args(argv)
     shapes = a.shapes.split(",") if a.shapes else (QUICK_SHAPES if a.quick else tuple(SHAPES))
@@ -251,7 +279,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     for name in shapes:
         try:
-            rows += run_shape(name, tokens, bw, flops)
+            rows += run_shape(name, tokens, bw, flops, a.stages)
         except Exception as e:  # building the HF block or the swap failed: report, go on
             rows.append({"shape": name, "T": 0, "error": f"{type(e).__name__}: {e}"[:500]})
             print(fmt(rows[-1]), flush=True)

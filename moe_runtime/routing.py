@@ -65,5 +65,6 @@ class Router(nn.Module):
         ids, weights, _ = ops.route(
             self.logits(x), c.top_k, scoring=c.scoring, norm_topk_prob=c.norm_topk_prob,
             correction_bias=self.e_score_correction_bias, n_group=c.n_group,
-            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor)
+            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+            with_counts=False)
         return ids, weights

@@ -3,7 +3,9 @@ and the PTX holds the instructions the design relies on.
 
 Grid (issue 4): dtype {bf16, fp16, fp32} x hidden {128, 576, 2048, 2880, 4096, 7168} x
 (E, k) {(8,2), (64,6), (128,8), (256,8), (384,8)} x mode {decode, prefill} for dispatch and
-combine (decode dispatch: the barrier-free kernel, MAX_ITEMS = the item cap), plus the routing kernel (softmax, and sigmoid + bias + groups) for each (E, k), plus the
+combine (decode dispatch: the barrier-free kernel in each block shape of
+cute_compile.DISPATCH_DECODE_SHAPES), plus the routing kernel (softmax, and sigmoid + bias +
+groups; with and without counts; each ROUTE_WARPS block shape) for each (E, k), plus the
 grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at the Qwen3-30B-A3B,
 DeepSeek-V3 and Mixtral expert shapes for the 16-bit dtypes. Compiles run in a process pool of min(2, CPUs) workers, one task per
 (arch, dtype) (about 2.5 minutes on 2 cores).
@@ -54,7 +56,9 @@ FACTS = {
     "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32", r"griddepcontrol\.wait",
                 r"griddepcontrol\.launch_dependents"],
     "route": [r"shfl\.sync\.bfly", r"atom\.shared\.add", r"atom\.global\.acq_rel(\.gpu)?\.add\.u32",
-              r"griddepcontrol\.launch_dependents"],
+              r"griddepcontrol\.wait", r"griddepcontrol\.launch_dependents"],
+    "route_nocounts": [r"shfl\.sync\.bfly", r"griddepcontrol\.wait",
+                       r"griddepcontrol\.launch_dependents"],
     "expert_gemv": [V4_LD, r"shfl\.sync\.bfly", r"redux\.sync\.add", r"fma\.rn\.f32|add\.f32",
                     r"griddepcontrol\.wait",
                     r"griddepcontrol\.launch_dependents"],
@@ -66,19 +70,27 @@ FORBID = [r"__local_depot", r"%globaltimer", r"%clock"]
 # per kind: the barrier-free decode dispatch has no global atomics, no acquire/release spin
 # and no cross-block wait
 FORBID_KIND = {"dispatch_decode": [r"atom\.global", r"red\.global", r"ld\.acquire",
-                                   r"fence\.acq_rel"]}
+                                   r"fence\.acq_rel"],
+               # the router without counts: no atomics, no cross-block step
+               "route_nocounts": [r"atom\.", r"red\.", r"fence\.acq_rel", r"bar\.sync"]}
 
 
 def _route_specs():
     out = []
     for E, k in EK:
         for dtype in ("float32", "bfloat16"):
-            out.append(("route", (dtype, E, k, False, False, 1, 1, True)))
             n_group = 8 if E % 8 == 0 and E >= 64 else 4
-            out.append(("route", (dtype, E, k, True, True, n_group, n_group // 2, True)))
+            for warps in sorted(set(ROUTE_WARPS.values())):
+                for counts, kind in ((True, "route"), (False, "route_nocounts")):
+                    out.append((kind, (dtype, E, k, False, False, 1, 1, True, counts, warps)))
+                    out.append((kind, (dtype, E, k, True, True, n_group, n_group // 2, True,
+                                       counts, warps)))
     return out
 
 
+# the launch-shape tables of cute_compile, copied here (no cutlass import at module level)
+DECODE_WARPS = (2, 4, 8)
+ROUTE_WARPS = {"decode": 4, "prefill": 16}
 DECODE_MAX_E = 1024  # cute_ops.MAX_EXPERTS: the decode dispatch keeps [warps, E] counts in smem
 
 # (H, I, E) of the expert GEMV: Qwen3-30B-A3B, DeepSeek-V3, Mixtral, and an odd small shape
@@ -90,7 +102,7 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
     out = []
     for H in HIDDEN:
         for E, k in EK:
-            out.append(("dispatch_decode", (dtype, H, E, k)))
+            out += [("dispatch_decode", (dtype, H, E, k, w)) for w in DECODE_WARPS]
             out.append(("dispatch_copy", (dtype, H, E, k)))
         for k in sorted({k for _, k in EK}):
             for mode in MODES:
@@ -99,7 +111,8 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
         for H, I, E in GEMV_SHAPES:
             out += [("expert_gemv", (dtype, H, 2 * I, E, True)), ("expert_gemv", (dtype, I, H, E, False))]
     if dtype == "bfloat16":
-        out += [("dispatch_decode", (dtype, 2048, DECODE_MAX_E, 8))]  # largest shared memory
+        # largest shared memory ([warps, E] counts), and the most experts per thread
+        out += [("dispatch_decode", (dtype, 2048, DECODE_MAX_E, 8, w)) for w in DECODE_WARPS]
         out += [("dispatch_slots", (E, k)) for E, k in EK]
         out += _route_specs() + [("barrier_probe", ())]
     return out
@@ -125,7 +138,8 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
                "dispatch_copy": cc.dispatch_copy_fn,
                "combine": lambda d, h, k, mode, arch: cc.combine_fn(d, h, k, *cc.combine_shape(mode),
                                                                     arch=arch),
-               "route": cc.route_fn, "barrier_probe": cc.barrier_probe_fn,
+               "route": cc.route_fn, "route_nocounts": cc.route_fn,
+               "barrier_probe": cc.barrier_probe_fn,
                "expert_gemv": cc.expert_gemv_fn}
     results = []
     for kind, args in specs_for(arch, dtype):
@@ -225,10 +239,16 @@ def test_spec_grid_covers_the_issue_grid():
     cpy = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "dispatch_copy"}
     comb = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "combine"}
     n = len(ARCHS) * len(DTYPES) * len(HIDDEN) * len(EK)
-    assert len(dec) == n + len(ARCHS) and len(cpy) == n  # + the E = 1024 decode config
+    # every block shape, + the E = 1024 decode configs
+    assert len(dec) == (n + len(ARCHS)) * len(DECODE_WARPS) and len(cpy) == n
     assert len(comb) == len(ARCHS) * len(DTYPES) * len(HIDDEN) * 3 * len(MODES)
-    routes = [g for k, g in specs_for("sm_90a", "bfloat16") if k == "route"]
-    assert {(g[1], g[2], g[3]) for g in routes} == {(E, k, s) for E, k in EK for s in (False, True)}
+    routes = [g for k, g in specs_for("sm_90a", "bfloat16") if k.startswith("route")]
+    assert {(g[1], g[2], g[3], g[8], g[9]) for g in routes} == {
+        (E, k, s, c, w) for E, k in EK for s in (False, True) for c in (False, True)
+        for w in ROUTE_WARPS.values()}
+    from moe_runtime.kernels import cute_compile as cc
+    assert DECODE_WARPS == tuple(w for w, *_ in cc.DISPATCH_DECODE_SHAPES)
+    assert ROUTE_WARPS == cc.ROUTE_WARPS
 
 
 def test_ptx_checker_rejects_scalar_copies():

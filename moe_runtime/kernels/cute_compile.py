@@ -8,9 +8,10 @@ CPU CI passes "sm_90a" / "sm_100a". The compiled functions take torch tensors di
 extents, 16-byte alignment and the shared token dimension at call time.
 
 Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row segment):
+    route             ROUTE_WARPS[mode], mode "decode" up to ROUTE_DECODE_MAX_TOKENS tokens
     dispatch decode   one launch, no grid barrier (T * k <= DISPATCH_DECODE_MAX_ITEMS),
-                      DISPATCH_DECODE_WARPS, V = DISPATCH_DECODE_V, grid <= a few blocks
-                      per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
+                      warps by T * k (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V, grid <= a
+                      few blocks per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
     combine           combine_shape(mode)
@@ -39,12 +40,24 @@ from . import route_topk as _route
 DTYPES = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
 MODES = ("decode", "prefill")
 
-ROUTE_WARPS = 4
-DISPATCH_DECODE_WARPS = 8
+# routing: one warp per token; few tokens spread over many small blocks, many tokens over
+# fewer large ones. H200, routers of Qwen3 / DeepSeek-V3 / Mixtral without counts
+# (benchmarks/local_dispatch_combine.py --tune): 4 warps 0.1-1.3 us faster than 16 from T = 1
+# to 1024 (equal at T = 1), 16 warps faster at T = 4096 (5.6 vs 6.2 us Qwen3, 8.0 vs 8.6
+# DeepSeek-V3, 2.7 vs 3.2 Mixtral).
+ROUTE_WARPS = {"decode": 4, "prefill": 16}
+ROUTE_DECODE_MAX_TOKENS = 1024
 DISPATCH_DECODE_V = 1
-# every block of the decode dispatch reads all T * k ids and keeps a slot per item in shared
-# memory: T * k is capped (a multiple of the block's threads); above it dispatch runs "prefill"
-DISPATCH_DECODE_MAX_ITEMS = 2048
+# The decode dispatch: every block reads all T * k ids, ranks them 8 chunks of 32 per warp at
+# most and keeps a slot per item in shared memory, so a block of w warps takes up to w * 256
+# items. Fewer warps make each block's layout work shorter; more warps rank more items, and
+# scan more experts, in parallel. (warps, largest T * k, most local experts): the first row
+# that fits is used. H200 (benchmarks/local_dispatch_combine.py --tune): at T * k <= 64, 2
+# warps 1.7-2.2 us, 8 warps 2.0-2.7; at T * k in (64, 512] with E <= 128, 4 warps beat 8 by
+# 0.1-0.5 us (Mixtral T = 32..256, Qwen3 T = 32), while with E = 256 8 warps beat 4 by
+# 0.2-0.3 us (DeepSeek-V3 T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3).
+DISPATCH_DECODE_SHAPES = ((2, 64, 1024), (4, 512, 128), (8, 2048, 1024))
+DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
 DISPATCH_SLOTS_WARPS = 8
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
@@ -82,35 +95,52 @@ def _stream():
 
 @functools.lru_cache(maxsize=None)
 def route_fn(dtype: str, E: int, K: int, sigmoid: bool, has_bias: bool, n_group: int,
-             topk_group: int, norm: bool, arch: str | None = None):
-    """fn(logits [T,E], bias fp32 [E], ids [T,K], weights [T,K], counts [E], ws, scale, grid)."""
+             topk_group: int, norm: bool, counts: bool = True, warps: int = ROUTE_WARPS["decode"],
+             arch: str | None = None):
+    """fn(logits [T,E], bias fp32 [E], ids [T,K], weights [T,K], counts [E], ws, scale, grid);
+    counts is written only when `counts`; warps: ROUTE_WARPS[mode]."""
     T = cute.sym_int()
     return cute.compile(
         _route.route_topk, _rows(DTYPES[dtype], E, T), _vec(Float32, E), _rows(Int32, K, T),
         _rows(Float32, K, T), _vec(Int32, E), _vec(Int32, _route.workspace_words(E)),
         Float32(1.0), Int32(1), _stream(), E, K, sigmoid, has_bias, n_group, topk_group, norm,
-        ROUTE_WARPS, options=_options(arch))
+        counts, warps, options=_options(arch))
+
+
+def dispatch_decode_warps(items: int, experts: int) -> int:
+    """Warps per block of the decode dispatch for T * k = items and E local experts
+    (DISPATCH_DECODE_SHAPES).
+
+    Raises:
+        ValueError: items above DISPATCH_DECODE_MAX_ITEMS.
+    """
+    for warps, cap, max_experts in DISPATCH_DECODE_SHAPES:
+        if items <= cap and experts <= max_experts:
+            return warps
+    raise ValueError(f"the decode dispatch takes at most {DISPATCH_DECODE_MAX_ITEMS} (t, j) "
+                     f"items, got {items}")
 
 
 @functools.lru_cache(maxsize=None)
-def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None):
-    """fn(x, ids, out, offsets, slot, expert_start, align, max_grid); T * K <= the item cap."""
+def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, warps: int = DISPATCH_DECODE_SHAPES[-1][0],
+                       arch: str | None = None):
+    """fn(x, ids, out, offsets, slot, expert_start, align, max_grid); T * K <= warps * 256
+    (8 chunks of 32 per warp)."""
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _ddec.dispatch_decode, _rows(dt, H, T), _rows(Int32, K, T), _rows(dt, H),
         _vec(Int32, E + 1), _rows(Int32, K, T), Int32(0), Int32(1), Int32(1), _stream(),
-        H, E, K, DISPATCH_DECODE_WARPS, DISPATCH_DECODE_V, DISPATCH_DECODE_MAX_ITEMS,
-        options=_options(arch))
+        H, E, K, warps, DISPATCH_DECODE_V, warps * 256, options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)
-def dispatch_slots_fn(E: int, K: int, arch: str | None = None):
+def dispatch_slots_fn(E: int, K: int, arch: str | None = None, warps: int = DISPATCH_SLOTS_WARPS):
     """fn(ids, rank, offsets, ws, expert_start, align, grid)."""
     T = cute.sym_int()
     return cute.compile(
         _dslots.dispatch_slots, _rows(Int32, K, T), _rows(Int32, K, T), _vec(Int32, E + 1),
         _vec(Int32, _dslots.workspace_words(E)), Int32(0), Int32(1), Int32(1), _stream(),
-        E, K, DISPATCH_SLOTS_WARPS, options=_options(arch))
+        E, K, warps, options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)

@@ -122,7 +122,8 @@ def route(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with_counts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Router epilogue in one kernel (kernels/route_topk.py); semantics of reference.route.
 
     Args:
@@ -134,10 +135,12 @@ def route(
         n_group, topk_group: group-limited selection for "sigmoid" (E % n_group == 0,
             1 <= topk_group <= n_group); ignored for "softmax", as in the reference.
         routed_scaling_factor: multiplies the final weights.
+        with_counts: also count the tokens per expert (False: the kernel skips its atomics
+            and cross-block step, and counts is None).
 
     Returns:
         topk_ids int32 [T, k] (descending score, ties to the smaller id), topk_weights fp32
-        [T, k], counts int32 [E].
+        [T, k], counts int32 [E] or None.
 
     Raises:
         TypeError / ValueError: inputs outside the above.
@@ -168,20 +171,28 @@ def route(
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     if T == 0:
-        return ids, weights, torch.zeros(E, dtype=torch.int32, device=dev)
-    counts = torch.empty(E, dtype=torch.int32, device=dev)
+        return ids, weights, torch.zeros(E, dtype=torch.int32, device=dev) if with_counts else None
+    counts = torch.empty(E, dtype=torch.int32, device=dev) if with_counts else _zeros_i32(dev.index, E)
+    mode = "decode" if T <= cc.ROUTE_DECODE_MAX_TOKENS else "prefill"
+    warps = cc.ROUTE_WARPS[mode]
     fn = cc.route_fn(_DTYPE_NAMES[logits.dtype], E, top_k, sigmoid, has_bias, n_group, topk_group,
-                     bool(norm_topk_prob))
-    grid = min(-(-T // cc.ROUTE_WARPS), 4 * _sm_count(dev.index))
+                     bool(norm_topk_prob), bool(with_counts), warps)
+    grid = min(-(-T // warps), (4 if mode == "decode" else 2) * _sm_count(dev.index))
     ws = workspace(dev, "route", _route.workspace_words(E))
     fn(logits, bias, ids, weights, counts, ws, float(routed_scaling_factor), grid)
-    return ids, weights, counts
+    return ids, weights, counts if with_counts else None
 
 
 @functools.lru_cache(maxsize=None)
 def _zeros_f32(index: int, n: int) -> torch.Tensor:
     """A constant fp32 zero vector (the bias argument of routers without a correction bias)."""
     return torch.zeros(n, dtype=torch.float32, device=torch.device("cuda", index))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_i32(index: int, n: int) -> torch.Tensor:
+    """A constant int32 vector (the counts argument of a route launch that writes none)."""
+    return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", index))
 
 
 # ------------------------------------------------------------------------------- dispatch
@@ -269,7 +280,7 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     dtype = _DTYPE_NAMES[x.dtype]
     if mode == "decode":
-        cc.dispatch_decode_fn(dtype, H, E, k)(
+        cc.dispatch_decode_fn(dtype, H, E, k, cc.dispatch_decode_warps(T * k, E))(
             x, topk_ids, expert_x, offsets, token_slot, expert_start, align,
             DISPATCH_DECODE_BLOCKS_PER_SM * _sm_count(dev.index))
     else:

@@ -28,7 +28,8 @@ def route(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with_counts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Router epilogue: scores -> top-k ids, weights and per-expert counts.
 
     Args:
@@ -41,10 +42,11 @@ def route(
             transformers 5.x DeepseekV3TopkRouter / DeepseekV3MoE.route_tokens_to_experts).
         norm_topk_prob: divide the k weights by their sum (sigmoid: sum + 1e-20).
         routed_scaling_factor: multiplies the final weights.
+        with_counts: also count the tokens per expert (else counts is None).
 
     Returns:
         topk_ids int32 [T, k] in descending score order (ties: smaller expert id first),
-        topk_weights fp32 [T, k], counts int32 [E] (tokens routed to each expert).
+        topk_weights fp32 [T, k], counts int32 [E] (tokens routed to each expert) or None.
     """
     scores_in = logits.float()
     T, E = scores_in.shape
@@ -70,7 +72,7 @@ def route(
         weights = weights / (denom + 1e-20 if scoring == "sigmoid" else denom)
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32) if with_counts else None
     return ids.to(torch.int32), weights.float(), counts
 
 

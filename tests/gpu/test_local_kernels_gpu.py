@@ -130,13 +130,18 @@ def test_dispatch_edge_cases(ops, mode, case):
 
 
 @pytest.mark.parametrize("case", ["T1_k1", "odd_hidden", "one_vector_rows", "max_experts_align",
-                                  "cap", "cap_one_expert"])
+                                  "small_block_max_experts", "small_block_cap",
+                                  "mid_block_cap_one_expert", "cap", "cap_one_expert"])
 def test_dispatch_decode_edge_cases(ops, case):
     """The barrier-free decode kernel at its edges: one pick, rows of partial segments or a
     single 16-byte vector, E = 1024 (the largest shared-memory layout) with padding, exactly
-    the item cap (all warps own full chunks), the cap on one expert (ranks up to cap - 1)."""
+    the item cap of each block shape (cute_compile.DISPATCH_DECODE_SHAPES: all warps own full
+    chunks), a cap on one expert (ranks up to cap - 1)."""
     T, H, E, k, dtype, start, n_local, align = {
         "T1_k1": (1, 2048, 128, 1, torch.bfloat16, 0, 128, 1),
+        "small_block_max_experts": (3, 512, 1280, 8, torch.bfloat16, 256, 1024, 4),
+        "small_block_cap": (8, 2048, 128, 8, torch.bfloat16, 0, 128, 1),   # 64 items: 2 warps
+        "mid_block_cap_one_expert": (256, 1024, 8, 2, torch.bfloat16, 0, 8, 1),  # 512: 4 warps
         "odd_hidden": (37, 2888, 64, 6, torch.bfloat16, 0, 64, 1),   # 361 vectors: 12 segments
         "one_vector_rows": (300, 4, 16, 3, torch.float32, 0, 16, 8),
         "max_experts_align": (200, 1024, 1280, 8, torch.bfloat16, 256, 1024, 4),
@@ -148,6 +153,8 @@ def test_dispatch_decode_edge_cases(ops, case):
     ids = rand_ids(T, E, k)
     if case == "cap_one_expert":
         ids.fill_(9)
+    if case == "mid_block_cap_one_expert":  # every token's first pick on expert 5
+        ids[:, 0], ids[:, 1] = 5, ids[:, 1] % 5
     out = ops.dispatch_in_mode(x, ids, expert_start=start, num_local_experts=n_local, align=align,
                                mode="decode")
     check_dispatch(x, ids, out, expert_start=start, num_local_experts=n_local, align=align,
@@ -238,16 +245,17 @@ def test_dispatch_and_combine_in_a_cuda_graph(ops):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_programmatic_dependent_launch_chains_match_synchronized_runs(ops, mode):
-    """Programmatic dependent launches (the router lets the decode dispatch start early; the
-    slots launch lets the prefill copy start early; the GEMVs and the combine become resident
-    before their predecessor ends) in the decode chain route -> dispatch ->
-    GEMV -> GEMV -> combine, plus a dispatch of a GEMV's output straight after that GEMV and a
-    combine of that dispatch's rows straight after it, give back to back bit for bit what they
-    give with a device sync after every launch: no kernel reads its input before the kernel
-    writing it is done. Each round's x is the previous round's combine output."""
+    """Programmatic dependent launches (the router kernel becomes resident during the logits
+    GEMM and lets the decode dispatch start early; the slots launch lets the prefill copy start
+    early; the GEMVs and the combine become resident before their predecessor ends) in the
+    decode chain logits GEMM -> route -> dispatch -> GEMV -> GEMV -> combine, plus a dispatch
+    of a GEMV's output straight after that GEMV and a combine of that dispatch's rows straight
+    after it, give back to back bit for bit what they give with a device sync after every
+    launch: no kernel reads its input before the kernel writing it is done. Each round's x is
+    the previous round's combine output, and its logits are computed from x."""
     T, H, I, E, k, rounds = 8, 512, 256, 16, 4, 30
     g = torch.Generator(device=DEV).manual_seed(11)
-    logits = [torch.randn(T, E, device=DEV, generator=g) for _ in range(rounds)]
+    w_router = torch.randn(H, E, device=DEV, generator=g) * H ** -0.5
     w13 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) * H ** -0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=DEV, generator=g) * I ** -0.5).to(torch.bfloat16)
     x0 = torch.randn(T, H, device=DEV, generator=g).to(torch.bfloat16)
@@ -256,7 +264,9 @@ def test_programmatic_dependent_launch_chains_match_synchronized_runs(ops, mode)
         step = torch.cuda.synchronize if sync else (lambda: None)
         x, outs = x0, []
         for i in range(rounds):
-            ids, w, _ = ops.route(logits[i], k)
+            logits = x.float() @ w_router
+            step()
+            ids, w, _ = ops.route(logits, k)
             step()
             ex, off, slot = ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E,
                                                  mode=mode)
@@ -368,18 +378,22 @@ ROUTERS = [
 
 @pytest.mark.parametrize("cfg", ROUTERS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [0, 1, 777, 5000])
-def test_route_matches_reference(ops, cfg, dtype, T):
+@pytest.mark.parametrize("T", [0, 1, 300, 777, 5000])  # both launch shapes (ROUTE_DECODE_MAX_TOKENS)
+@pytest.mark.parametrize("with_counts", [True, False])
+def test_route_matches_reference(ops, cfg, dtype, T, with_counts):
     cfg = dict(cfg)
     E, k = cfg.pop("E"), cfg.pop("k")
     if cfg.pop("bias", False):
         cfg["correction_bias"] = torch.randn(E, device=DEV) * 0.1
     logits = torch.randn(T, E, device=DEV).to(dtype)
-    ids, w, counts = ops.route(logits, k, **cfg)
-    rids, rw, rcounts = reference.route(logits, k, **cfg)
-    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and counts.dtype == torch.int32
+    ids, w, counts = ops.route(logits, k, with_counts=with_counts, **cfg)
+    rids, rw, rcounts = reference.route(logits, k, with_counts=with_counts, **cfg)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
     assert torch.equal(ids, rids)
-    assert torch.equal(counts, rcounts)
+    if with_counts:
+        assert counts.dtype == torch.int32 and torch.equal(counts, rcounts)
+    else:
+        assert counts is None and rcounts is None
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
 
 
