@@ -8,10 +8,14 @@ the bytes read + written once (dispatch: x and T*k rows; combine: T*k rows and y
 index tensors), the ratio to the device copy bandwidth measured in the same run (the best of
 graph-replayed torch copy_ and an elementwise kernel on 256 MiB and 1 GiB), the speedup over the torch reference (eager; it syncs the host), and the
 targets: T >= 4096 -> >= 90% of copy bandwidth; T <= 128 -> <= 1.2 x (graph-replayed empty
-CuTeDSL kernel + the bytes at copy bandwidth). Two measured limits stand next to each target:
+CuTeDSL kernel + the bytes at copy bandwidth). Measured references stand next to each target:
 torch kernels that move the same bytes with no layout work (`same_bytes_torch`: a gather, and a
-broadcast copy / batched GEMV with no gather), and the bytes the op writes at the fill_
-(write-only) rate: dispatch writes k bytes per byte it reads.
+broadcast copy / batched GEMV with no gather); the bytes the op writes at torch fill_'s
+write-only rate (dispatch writes k bytes per byte it reads; our copy launch writes faster than
+fill_, so this is a reference, not a bound); for a prefill dispatch, its copy launch alone with
+the layout precomputed (what the layout step, the slots launch, costs on top).
+`--tune` times other launch shapes of the router, the decode dispatch, the prefill slots and
+copy launches and combine (the measurements behind cute_compile's launch-shape constants).
 Switch point: decode vs prefill timed over a finer T sweep per shape (dispatch decode only where
 T*k <= cute_ops.DISPATCH_DECODE_MAX_ITEMS, its item cap); the per-shape crossing, in bytes of
 expert rows moved (T*k*H*2), and the single threshold with the least total slowdown over all
@@ -159,10 +163,31 @@ def same_bytes_torch(x, ex, slot, w):
              lambda: torch.bmm(wb, tok_rows, out=y)))
 
 
+def prefill_ranks(ids, E, k):
+    """(rank, offsets) of `ids` from the prefill slots launch, ready for a copy launch alone."""
+    rank = torch.empty_like(ids)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+    ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
+    cute_compile.dispatch_slots_fn(E, k)(ids, rank, offsets, ws, 0, 1, 264)
+    return rank, offsets
+
+
+def copy_only_us(x, ids, E, k, warps=cute_compile.DISPATCH_COPY_WARPS, v=cute_compile.DISPATCH_COPY_V):
+    """µs of the prefill dispatch's copy launch alone (ranks and offsets already computed):
+    the dispatch's row traffic without its layout step."""
+    rank, offsets = prefill_ranks(ids, E, k)
+    ex = torch.empty(ids.numel(), x.shape[1], dtype=x.dtype, device="cuda")
+    slot = torch.empty_like(ids)
+    fn = cute_compile.dispatch_copy_fn("bfloat16", x.shape[1], E, k, warps=warps, v=v)
+    return graph_us(lambda: fn(x, ids, rank, offsets, ex, slot, 0))
+
+
 def measure(name, H, E, k, T, bw, empty, fill_bw):
     """Table rows for dispatch and combine at T tokens. Next to the target: `gather_us` and
     `stream_us`, graph-replayed torch kernels moving the same bytes without any layout work
-    (same_bytes_torch), and `write_floor_us`, the bytes the op writes at the fill_ rate."""
+    (same_bytes_torch); `write_floor_us`, the bytes the op writes at the fill_ rate (torch's
+    write-only kernel: a reference rate, not a bound; our copy launch writes faster); and for
+    a prefill dispatch `copy_only_us`, its copy launch alone with the layout precomputed."""
     x, ids, w = problem(T, H, E, k)
     rows = []
     dmode = cute_ops.select_dispatch_mode(T, k, H, x.dtype)
@@ -188,7 +213,9 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
             target, met = f"<={1.2 * floor_us:.1f}us", us <= 1.2 * floor_us
         else:
             target, met = "-", None
-        rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, tbps=nbytes / (us * 1e-6) / 1e12,
+        copy_us = copy_only_us(x, ids, E, k) if (op, mode) == ("dispatch", "prefill") else None
+        rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, copy_only_us=copy_us,
+                         tbps=nbytes / (us * 1e-6) / 1e12,
                          ratio_copy=nbytes / (us * 1e-6) / bw, ref_us=ref_us, speedup=ref_us / us,
                          gather_us=gather_us, stream_us=stream_us,
                          write_floor_us=write_floor_us, floor_us=floor_us, target=target,
@@ -224,8 +251,8 @@ def tune(name, H, E, k):
     """Launch shapes, µs per variant: the router kernel's warps per block (without counts, as
     MoELayer runs it) from decode to prefill sizes (cute_compile.ROUTE_DECODE_MAX_TOKENS);
     the decode dispatch's warps per block (item cap 256 per warp) at T <= 256
-    (cute_compile.DISPATCH_DECODE_SHAPES); (warps, V) of the prefill copy kernel (the copy
-    launch alone, after a slots launch) and of combine at large T."""
+    (cute_compile.DISPATCH_DECODE_SHAPES); at large T the warps of the prefill slots launch,
+    (warps, V) of the prefill copy launch (alone, layout precomputed) and of combine."""
     out = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bias = torch.zeros(E, device="cuda")
@@ -254,17 +281,20 @@ def tune(name, H, E, k):
                             bytes=dispatch_bytes(T, H, k)))
     for T in (4096, 16384):
         x, ids, w = problem(T, H, E, k)
-        rank = torch.empty_like(ids)
-        offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        rank, offsets = prefill_ranks(ids, E, k)
         ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
-        cute_compile.dispatch_slots_fn(E, k)(ids, rank, offsets, ws, 0, 1, 264)
         ex = torch.empty(T * k, H, dtype=x.dtype, device="cuda")
         slot = torch.empty_like(ids)
         y = torch.empty_like(x)
+        for warps in (8, 16):
+            fn = cute_compile.dispatch_slots_fn(E, k, warps=warps)
+            grid = min(-(-(T * k) // (warps * 32)), 2 * sms)
+            us = graph_us(lambda: fn(ids, rank, offsets, ws, 0, 1, grid))
+            out.append(dict(shape=name, T=T, op="dispatch_slots", warps=warps, us=us,
+                            bytes=T * k * 8))
         for warps in (4, 8):
             for v in (2, 4, 8):
-                fn = cute_compile.dispatch_copy_fn("bfloat16", H, E, k, warps=warps, v=v)
-                us = graph_us(lambda: fn(x, ids, rank, offsets, ex, slot, 0))
+                us = copy_only_us(x, ids, E, k, warps, v)
                 out.append(dict(shape=name, T=T, op="dispatch_copy", warps=warps, v=v, us=us,
                                 bytes=dispatch_bytes(T, H, k)))
             for v in (1, 2, 4):
@@ -348,17 +378,19 @@ def main():
         print(f"  best single threshold: dispatch {switch['dispatch']} B, combine {switch['combine']} B "
               f"(in code now: {cute_ops.DISPATCH_DECODE_MAX_BYTES}, {cute_ops.COMBINE_DECODE_MAX_BYTES})")
     print("gather / stream: torch kernels moving the same bytes with no layout work (an "
-          "index_select; a broadcast copy or batched GEMV without gather); wr floor: the bytes "
-          "written at the fill_ rate")
+          "index_select; a broadcast copy or batched GEMV without gather); wr@fill: the bytes "
+          "written at torch fill_'s rate (a reference, not a bound); copy: the prefill "
+          "dispatch's copy launch alone, layout precomputed")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
-          f"{'gather':>8s} {'stream':>8s} {'wr floor':>8s} {'ref us':>9s} {'speedup':>7s} "
-          f"{'target':>15s} met")
+          f"{'copy':>8s} {'gather':>8s} {'stream':>8s} {'wr@fill':>8s} {'ref us':>9s} "
+          f"{'speedup':>7s} {'target':>15s} met")
     for r in rows:
         met = "-" if r["target_met"] is None else ("yes" if r["target_met"] else "NO")
+        copy = "-" if r["copy_only_us"] is None else f"{r['copy_only_us']:.2f}"
         print(f"{r['shape']:14s} {r['T']:6d} {r['op']:8s} {r['mode']:7s} {r['us']:9.2f} "
-              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {r['gather_us']:8.2f} {r['stream_us']:8.2f} "
-              f"{r['write_floor_us']:8.2f} {r['ref_us']:9.1f} {r['speedup']:7.1f} "
-              f"{r['target']:>15s} {met}")
+              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {copy:>8s} {r['gather_us']:8.2f} "
+              f"{r['stream_us']:8.2f} {r['write_floor_us']:8.2f} {r['ref_us']:9.1f} "
+              f"{r['speedup']:7.1f} {r['target']:>15s} {met}")
     if tuned:
         print("launch shapes (µs, fraction of copy bandwidth):")
         for r in tuned:

@@ -58,7 +58,10 @@ DISPATCH_DECODE_V = 1
 # 0.2-0.3 us (DeepSeek-V3 T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3).
 DISPATCH_DECODE_SHAPES = ((2, 64, 1024), (4, 512, 128), (8, 2048, 1024))
 DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
-DISPATCH_SLOTS_WARPS = 8
+# prefill slots launch: at T = 4096 and 16384 (H200, --tune) 16 warps per block took 3.8-4.6 us
+# against 4.1-4.9 with 8 for the k = 8 shapes (Qwen3, DeepSeek-V3; 4.2 vs 5.0 for DeepSeek-V3
+# at 4096), 3.3-3.5 against 3.1-3.4 for Mixtral (k = 2)
+DISPATCH_SLOTS_WARPS = 16
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
 COMBINE_WARPS = {"decode": 4, "prefill": 8}
