@@ -90,14 +90,14 @@ def _add_make_checkpoint(sub) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by generate and demo (and the deploy job entry)."""
     from .engine.driver import TOPOLOGY_CHOICES
-    p.add_argument("--world-size", type=_int_at_least(1), default=None, help="ranks, one Ray actor each (default: 1; demo: 2)")
+    p.add_argument("--world-size", type=_int_at_least(1), default=1, help="ranks, one Ray actor each")
     p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto",
                    help="how ranks exchange tokens (auto: picked from the cluster)")
     p.add_argument("--attention", choices=("dp", "tp"), default=None,
                    help="with --topology auto only: data-parallel (each rank its own requests, "
                         "experts partitioned; the default) or tensor-parallel attention")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=32,
-                   help="tokens generated per prompt (demo: 16)")
+                   help="tokens generated per prompt")
     p.add_argument("--temperature", type=_float_in("a finite number >= 0", lambda t: math.isfinite(t) and t >= 0),
                    default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0,
@@ -181,7 +181,7 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     from .models import read_spec
     spec = read_spec(model_dir, args.dtype)[0]
     check_weights(model_dir)
-    world_size = 1 if args.world_size is None else args.world_size
+    world_size = args.world_size
     try:
         if args.attention is not None and args.topology != "auto":
             raise ValueError(f"--attention applies to --topology auto only; topology "
@@ -207,7 +207,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
     engine = None
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
-        engine = Engine(model_dir, world_size=1 if args.world_size is None else args.world_size, topology=args.topology,
+        engine = Engine(model_dir, world_size=args.world_size, topology=args.topology,
                         attention=args.attention or "dp",
                         ray_address=args.ray_address, device=args.device, dtype=args.dtype,
                         timeout_s=args.timeout, progress=not args.no_progress)
