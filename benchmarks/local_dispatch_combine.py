@@ -283,8 +283,8 @@ def tune(name, H, E, k):
         x, ids, w = problem(T, H, E, k)
         rank, offsets = prefill_ranks(ids, E, k)
         ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
-        ex = torch.empty(T * k, H, dtype=x.dtype, device="cuda")
-        slot = torch.empty_like(ids)
+        ex, _, slot = cute_ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E,
+                                                mode="prefill")  # combine's input rows
         y = torch.empty_like(x)
         for warps in (8, 16):
             fn = cute_compile.dispatch_slots_fn(E, k, warps=warps)
