@@ -42,9 +42,9 @@ MODES = ("decode", "prefill")
 
 # routing: one warp per token; few tokens spread over many small blocks, many tokens over
 # fewer large ones. H200, routers of Qwen3 / DeepSeek-V3 / Mixtral without counts
-# (benchmarks/local_dispatch_combine.py --tune): 4 warps 0.1-1.3 us faster than 16 from T = 1
-# to 1024 (equal at T = 1), 16 warps faster at T = 4096 (5.6 vs 6.2 us Qwen3, 8.0 vs 8.6
-# DeepSeek-V3, 2.7 vs 3.2 Mixtral).
+# (benchmarks/local_dispatch_combine.py --tune, two runs): 4 warps 0.1-1.3 us faster than 16
+# from T = 128 to 1024 (equal at T = 1); at T = 4096 16 warps 7.4-8.0 us against 8.6-13.9
+# for DeepSeek-V3 and 2.7 against 3.2 for Mixtral, Qwen3 5.6-6.9 against 6.2-6.3 (mixed).
 ROUTE_WARPS = {"decode": 4, "prefill": 16}
 ROUTE_DECODE_MAX_TOKENS = 1024
 DISPATCH_DECODE_V = 1
