@@ -7,7 +7,10 @@ run: the grouped GEMM reads each active expert once; the GEMV reads its expert p
 one expert read it again, mostly from L2). `grouped/gemv` > 1 means the GEMV is faster; the
 largest T*k rows where it stays faster is the crossover that `moe_runtime.experts.GEMV_MAX_ROWS`
 encodes. Replaying one call keeps part of the weights in the 50 MB L2 for the small shapes, for
-both paths alike. Prints a table, writes JSON (--out); never asserts a time.
+both paths alike. A second table times the router linear [T, H] x [E, H]^T: F.linear against
+the one-expert GEMV (cute_ops.linear_gemv), the measurement behind Router.logits' rule
+(moe_runtime.routing.ROUTER_GEMV_MAX_TOKENS / ROUTER_GEMV_MAX_WEIGHTS).
+Prints the tables, writes JSON (--out); never asserts a time.
 
 Usage: python benchmarks/expert_gemv.py [--out bench_out/expert_gemv.json]
 """
@@ -22,6 +25,7 @@ import torch
 
 from moe_runtime.experts import GEMV_MAX_ROWS, Experts
 from moe_runtime.kernels import cute_ops
+from moe_runtime.routing import ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from local_dispatch_combine import copy_bandwidth, graph_us  # noqa: E402
@@ -32,6 +36,7 @@ SHAPES = {  # name: (H, I, E, k)
     "mixtral": (4096, 14336, 8, 2),
 }
 TOKENS = (1, 2, 4, 8, 16)
+ROUTER_TOKENS = (1, 8, 32, 64)
 
 
 def expert_problem(name: str, T: int):
@@ -67,6 +72,20 @@ def measure(name: str, T: int, bw: float) -> dict:
     return res
 
 
+def measure_router(name: str, T: int) -> dict:
+    """µs of the router linear of shape `name` at T tokens: F.linear and the one-expert GEMV."""
+    H, _, E, _ = SHAPES[name]
+    torch.manual_seed(T)
+    w = (torch.randn(E, H, device="cuda") * H ** -0.5).to(torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, w).double()
+    diff = (cute_ops.linear_gemv(x, w).double() - ref).abs().max() / ref.abs().max()
+    return {"shape": name, "T": T, "weights": E * H,
+            "linear_us": graph_us(lambda: torch.nn.functional.linear(x, w), reps=20),
+            "gemv_us": graph_us(lambda: cute_ops.linear_gemv(x, w), reps=20),
+            "rel_diff": float(diff)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/expert_gemv.json")
@@ -84,10 +103,17 @@ def main(argv=None) -> None:
         print(f"{r['shape']:15}{r['T']:>4}{r['rows']:>6}{r['active_experts']:>7}{gemv:>10}"
               f"{r['gemv_floor_us']:>8.1f}{r['grouped_us']:>12.1f}{r['grouped_floor_us']:>8.1f}"
               f"{ratio:>14}{r.get('rel_diff', float('nan')):>9.1e}")
+    routers = [measure_router(name, T) for name in SHAPES for T in ROUTER_TOKENS]
+    print(f"router linear (ROUTER_GEMV_MAX_TOKENS={ROUTER_GEMV_MAX_TOKENS}, "
+          f"ROUTER_GEMV_MAX_WEIGHTS={ROUTER_GEMV_MAX_WEIGHTS})")
+    print(f"{'shape':15}{'T':>4}{'E*H':>10}{'linear us':>11}{'gemv us':>9}{'diff':>9}")
+    for r in routers:
+        print(f"{r['shape']:15}{r['T']:>4}{r['weights']:>10}{r['linear_us']:>11.2f}"
+              f"{r['gemv_us']:>9.2f}{r['rel_diff']:>9.1e}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
-                              indent=1))
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows,
+                               "router": routers}, indent=1))
     print(f"# wrote {out}")
 
 

@@ -13,6 +13,16 @@ from .config import MoEConfig
 from .kernels import get_ops, resolve_backend
 
 
+# When Router.logits uses the CuTeDSL GEMV (cute_ops.linear_gemv) instead of F.linear: at most
+# this many tokens and a router of at most this many weights (E * H). H200, bf16, graph-replayed
+# (the router table of benchmarks/expert_gemv.py): Qwen3-30B-A3B's router (128 x 2048) took
+# 3.0-3.4 us instead of 4.7-5.2 at T = 1..32 (4.3 vs 5.2 at 64); Mixtral's (8 x 4096) 5.6-5.8
+# either way; DeepSeek-V3's (256 x 7168; its logits are fp32 anyway) was slower with the GEMV
+# (10.6 vs 6.3 us).
+ROUTER_GEMV_MAX_TOKENS = 32
+ROUTER_GEMV_MAX_WEIGHTS = 1 << 18
+
+
 class Router(nn.Module):
     """Router linear (`weight` [E, H]) and top-k selection.
 
@@ -39,10 +49,27 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype."""
+        """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype (fp32
+        accumulation). Decode-sized x with a small router on CUDA takes the CuTeDSL GEMV
+        (`_gemv`), otherwise F.linear."""
         if self.config.router_logits_fp32:
             return F.linear(x.float(), self.weight.float())
+        if self._gemv(x):
+            return get_ops("cute").linear_gemv(x, self.weight)
         return F.linear(x, self.weight)
+
+    def _gemv(self, x: torch.Tensor) -> bool:
+        """Speed rule (ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS) and the GEMV's needs:
+        16-bit rows of 16-byte multiples on CUDA with the cute backend, a contiguous weight,
+        nothing for autograd to record, not under torch.compile."""
+        w = self.weight
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
+                and w.numel() <= ROUTER_GEMV_MAX_WEIGHTS and x.dtype == w.dtype
+                and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
+                and w.is_contiguous() and x.device == w.device
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and not torch.compiler.is_compiling()
+                and resolve_backend(self.backend, x.device) == "cute")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]).

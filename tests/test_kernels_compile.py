@@ -7,7 +7,7 @@ combine (decode dispatch: the barrier-free kernel in each block shape of
 cute_compile.DISPATCH_DECODE_SHAPES), plus the routing kernel (softmax, and sigmoid + bias +
 groups; with and without counts; each ROUTE_WARPS block shape) for each (E, k), plus the
 grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at the Qwen3-30B-A3B,
-DeepSeek-V3 and Mixtral expert shapes for the 16-bit dtypes. Compiles run in a process pool of min(2, CPUs) workers, one task per
+DeepSeek-V3 and Mixtral expert shapes and as the router's logits GEMV for the 16-bit dtypes. Compiles run in a process pool of min(2, CPUs) workers, one task per
 (arch, dtype) (about 2.5 minutes on 2 cores).
 
 Optional result cache: set MOE_RUNTIME_COMPILE_CACHE to a directory and a configuration that
@@ -95,6 +95,9 @@ DECODE_MAX_E = 1024  # cute_ops.MAX_EXPERTS: the decode dispatch keeps [warps, E
 
 # (H, I, E) of the expert GEMV: Qwen3-30B-A3B, DeepSeek-V3, Mixtral, and an odd small shape
 GEMV_SHAPES = ((2048, 768, 128), (7168, 2048, 256), (4096, 14336, 8), (576, 72, 8))
+# (H, E) of the router logits GEMV (cute_ops.linear_gemv: one expert of E rows): Qwen3-30B-A3B,
+# Qwen2-MoE, OLMoE, Mixtral, and an odd small one
+ROUTER_GEMV_SHAPES = ((2048, 128), (2048, 60), (2048, 64), (4096, 8), (136, 3))
 
 
 def specs_for(arch: str, dtype: str) -> list[tuple]:
@@ -110,6 +113,7 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
     if dtype != "float32":
         for H, I, E in GEMV_SHAPES:
             out += [("expert_gemv", (dtype, H, 2 * I, E, True)), ("expert_gemv", (dtype, I, H, E, False))]
+        out += [("expert_gemv", (dtype, H, E, 1, False)) for H, E in ROUTER_GEMV_SHAPES]
     if dtype == "bfloat16":
         # largest shared memory ([warps, E] counts), and the most experts per thread
         out += [("dispatch_decode", (dtype, 2048, DECODE_MAX_E, 8, w)) for w in DECODE_WARPS]

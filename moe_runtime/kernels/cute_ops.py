@@ -41,7 +41,7 @@ from . import dispatch_slots as _dslots
 from . import route_topk as _route
 from .reference import dispatch_capacity
 
-__all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode",
+__all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode", "linear_gemv",
            "select_dispatch_mode", "select_combine_mode", "check_errors", "expert_gemv"]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -401,6 +401,30 @@ def expert_gemv(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Ten
     if x.shape[0]:
         cc.expert_gemv_fn(_DTYPE_NAMES[x.dtype], K, M, E, swiglu)(x, expert_offsets, weight, out)
     return out
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out = x @ weight.T for decode-sized x (a few rows), via the expert GEMV with one expert.
+
+    Args:
+        x: [T, K] bf16/fp16/fp32 CUDA rows (K * element size a multiple of 16 bytes).
+        weight: [M, K] contiguous, x's dtype and device (nn.Linear layout).
+
+    Returns:
+        [T, M] in x.dtype, fp32 accumulation (as F.linear's, up to the summation order).
+
+    Raises:
+        TypeError / ValueError: as `expert_gemv`.
+    """
+    return expert_gemv(x, _one_expert_offsets(x.device.index), weight.unsqueeze(0), swiglu=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_expert_offsets(index: int) -> torch.Tensor:
+    """[0, 2**31 - 1]: every row of x belongs to expert 0 (the GEMV's rows come from x's shape,
+    so one constant serves every T). Made on first use, which must be outside a CUDA-graph
+    capture, as every kernel's first call here."""
+    return torch.tensor([0, 2**31 - 1], dtype=torch.int32, device=torch.device("cuda", index))
 
 
 # ---------------------------------------------------------------------------- test hook

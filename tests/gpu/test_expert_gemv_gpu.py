@@ -104,3 +104,39 @@ def test_experts_gemv_path_equals_grouped_path(rows):
     a, b = fast(x, offsets), slow(x, offsets)
     err = (a.double() - b.double()).abs().max() / b.double().abs().max()
     assert err <= 2e-2, f"rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("T", [0, 1, 7, 32, 64])
+@pytest.mark.parametrize("E,H", [(128, 2048), (60, 2048), (8, 4096), (3, 136)])
+def test_linear_gemv_matches_float64(T, E, H):
+    """cute_ops.linear_gemv (the router's decode logits) against x @ W.T in float64; its output
+    comes from a freed NaN block (poisoned before the call)."""
+    ops = _ops()
+    g = torch.Generator(device="cuda").manual_seed(T * 1000 + E)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    torch.full((T, E), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed, then reused
+    out = ops.linear_gemv(x, w)
+    assert out.shape == (T, E) and out.dtype == torch.bfloat16
+    if T:
+        ref = x.double() @ w.double().T
+        err = (out.double() - ref).abs().max() / ref.abs().max()
+        assert not out.isnan().any() and err <= 1e-2, f"rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("T", [1, 32, 33])
+def test_router_logits_take_the_gemv_for_decode_sizes(T):
+    """Router.logits: the GEMV for T <= ROUTER_GEMV_MAX_TOKENS with a small router, F.linear
+    otherwise (and always when autograd records); both within one bf16 rounding of F.linear."""
+    from moe_runtime.config import MoEConfig
+    from moe_runtime.routing import ROUTER_GEMV_MAX_TOKENS, Router
+    cfg = MoEConfig(hidden_size=2048, num_experts=128, top_k=8, moe_intermediate_size=768,
+                    dtype=torch.bfloat16)
+    router = Router(cfg, backend="cute", device="cuda")
+    x = torch.randn(T, 2048, device="cuda").to(torch.bfloat16)
+    assert not router._gemv(x)  # gradients on and the weight requires grad: F.linear
+    with torch.inference_mode():
+        assert router._gemv(x) == (T <= ROUTER_GEMV_MAX_TOKENS)
+        ref = torch.nn.functional.linear(x, router.weight).float()
+        got = router.logits(x).float()
+    assert ((got - ref).abs() <= 2 ** -7 * ref.abs() + 1e-6).all()
