@@ -163,8 +163,9 @@ def tile_flops_floor(layer: MoELayer, inputs, flops: float) -> float | None:
 
 
 def kernel_stages(fn, inputs) -> dict[str, float]:
-    """µs per call of each GPU kernel fn(x) launches (by kernel name, first 60 characters),
-    from torch.profiler over one eager call per input; "sum" is their total."""
+    """µs per call of each GPU kernel fn(x) launches (by full kernel name: compiled variants of
+    one kernel differ only in their constants, late in the name), from torch.profiler over one
+    eager call per input; "sum" is their total."""
     from torch.profiler import ProfilerActivity, profile
     for x in inputs[:2]:
         fn(x)
@@ -176,8 +177,7 @@ def kernel_stages(fn, inputs) -> dict[str, float]:
     per = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
-            key = ev.name[:60]
-            per[key] = per.get(key, 0.0) + ev.device_time / len(inputs)
+            per[ev.name] = per.get(ev.name, 0.0) + ev.device_time / len(inputs)
     per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
     per["sum"] = sum(per.values())
     return per
@@ -229,7 +229,8 @@ def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False) 
         rows.append(row)
         print(fmt(row), flush=True)
         for kname, us in row.get("stages_us", {}).items():
-            print(f"    {us:9.1f} us  {kname}", flush=True)
+            print(f"    {us:9.1f} us  {kname if len(kname) <= 110 else kname[:60] + '..' + kname[-48:]}",
+                  flush=True)
     del layer, block
     torch.cuda.empty_cache()
     return rows

@@ -60,13 +60,15 @@ class Router(nn.Module):
 
     def _gemv(self, x: torch.Tensor) -> bool:
         """Speed rule (ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS) and the GEMV's needs:
-        16-bit rows of 16-byte multiples on CUDA with the cute backend, a contiguous weight,
-        nothing for autograd to record, not under torch.compile."""
+        contiguous, 16-byte aligned 16-bit rows of 16-byte multiples and weight on one CUDA
+        device with the cute backend, nothing for autograd to record, not under torch.compile
+        (anything else takes F.linear, which accepts it)."""
         w = self.weight
         return (x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
                 and w.numel() <= ROUTER_GEMV_MAX_WEIGHTS and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
-                and w.is_contiguous() and x.device == w.device
+                and x.is_contiguous() and w.is_contiguous() and x.device == w.device
+                and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
                 and not torch.compiler.is_compiling()
                 and resolve_backend(self.backend, x.device) == "cute")

@@ -287,6 +287,12 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for shown in ("(default: 32)", "(default: auto)", "(default: 300.0)", "(default: 1; demo: 2)"):
+    for shown in ("(default: 32)", "(default: auto)", "(default: 300.0)", "each (default: 1)"):
         assert shown in out, shown
     assert "(default: None)" not in out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for shown in ("each (default: 2)", "per prompt (default: 16)"):  # demo's own defaults, once
+        assert shown in out, shown
+    assert out.count("(default: 2)") == 1

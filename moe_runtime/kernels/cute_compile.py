@@ -10,7 +10,7 @@ extents, 16-byte alignment and the shared token dimension at call time.
 Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row segment):
     route             ROUTE_WARPS[mode], mode "decode" up to ROUTE_DECODE_MAX_TOKENS tokens
     dispatch decode   one launch, no grid barrier (T * k <= DISPATCH_DECODE_MAX_ITEMS),
-                      warps by T * k (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V, grid <= a
+                      warps by T * k and E (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V, grid <= a
                       few blocks per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
@@ -194,10 +194,3 @@ def barrier_probe_fn(arch: str | None = None):
     return cute.compile(
         _gb.barrier_probe, _vec(Int32, 4), Int32(-1), Int32(1), Int32(1), Int64(0), Int32(1),
         _stream(), SITE_BARRIER_PROBE, options=_options(arch))
-
-
-def dispatch_fns(dtype: str, H: int, E: int, K: int, mode: str, arch: str | None = None) -> tuple:
-    """The compiled functions one dispatch call of `mode` launches (decode 1, prefill 2)."""
-    if mode == "decode":
-        return (dispatch_decode_fn(dtype, H, E, K, arch),)
-    return dispatch_slots_fn(E, K, arch), dispatch_copy_fn(dtype, H, E, K, arch)

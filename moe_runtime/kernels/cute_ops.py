@@ -178,7 +178,8 @@ def route(
     fn = cc.route_fn(_DTYPE_NAMES[logits.dtype], E, top_k, sigmoid, has_bias, n_group, topk_group,
                      bool(norm_topk_prob), bool(with_counts), warps)
     grid = min(-(-T // warps), (4 if mode == "decode" else 2) * _sm_count(dev.index))
-    ws = workspace(dev, "route", _route.workspace_words(E))
+    words = _route.workspace_words(E)  # (untouched without counts: a shared constant then)
+    ws = workspace(dev, "route", words) if with_counts else _zeros_i32(dev.index, words)
     fn(logits, bias, ids, weights, counts, ws, float(routed_scaling_factor), grid)
     return ids, weights, counts if with_counts else None
 
@@ -191,7 +192,8 @@ def _zeros_f32(index: int, n: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _zeros_i32(index: int, n: int) -> torch.Tensor:
-    """A constant int32 vector (the counts argument of a route launch that writes none)."""
+    """A constant int32 vector (the counts and workspace arguments of a route launch that
+    counts nothing: never written)."""
     return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", index))
 
 

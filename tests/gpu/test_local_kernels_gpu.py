@@ -245,17 +245,18 @@ def test_dispatch_and_combine_in_a_cuda_graph(ops):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_programmatic_dependent_launch_chains_match_synchronized_runs(ops, mode):
-    """Programmatic dependent launches (the router kernel becomes resident during the logits
-    GEMM and lets the decode dispatch start early; the slots launch lets the prefill copy start
-    early; the GEMVs and the combine become resident before their predecessor ends) in the
-    decode chain logits GEMM -> route -> dispatch -> GEMV -> GEMV -> combine, plus a dispatch
-    of a GEMV's output straight after that GEMV and a combine of that dispatch's rows straight
-    after it, give back to back bit for bit what they give with a device sync after every
-    launch: no kernel reads its input before the kernel writing it is done. Each round's x is
-    the previous round's combine output, and its logits are computed from x."""
+    """Programmatic dependent launches give back to back, bit for bit, what they give with a
+    device sync after every launch: no kernel reads its input before the kernel writing it is
+    done. The chain is MoELayer's decode chain, logits GEMV (cute_ops.linear_gemv, the router's
+    at T <= 32: it lets its dependents start once its loads are issued) -> route (resident
+    during the GEMV; lets the decode dispatch start early) -> dispatch (prefill: the slots
+    launch lets the copy start early) -> GEMV -> GEMV -> combine (each resident before its
+    predecessor ends), plus a dispatch of a GEMV's output straight after that GEMV and a
+    combine of that dispatch's rows straight after it. Each round's x is the previous round's
+    combine output, and its logits are computed from x."""
     T, H, I, E, k, rounds = 8, 512, 256, 16, 4, 30
     g = torch.Generator(device=DEV).manual_seed(11)
-    w_router = torch.randn(H, E, device=DEV, generator=g) * H ** -0.5
+    w_router = (torch.randn(E, H, device=DEV, generator=g) * H ** -0.5).to(torch.bfloat16)
     w13 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) * H ** -0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=DEV, generator=g) * I ** -0.5).to(torch.bfloat16)
     x0 = torch.randn(T, H, device=DEV, generator=g).to(torch.bfloat16)
@@ -264,7 +265,7 @@ def test_programmatic_dependent_launch_chains_match_synchronized_runs(ops, mode)
         step = torch.cuda.synchronize if sync else (lambda: None)
         x, outs = x0, []
         for i in range(rounds):
-            logits = x.float() @ w_router
+            logits = ops.linear_gemv(x, w_router)
             step()
             ids, w, _ = ops.route(logits, k)
             step()
