@@ -91,11 +91,11 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
     cute.arch.griddepcontrol_launch_dependents()
     cute.arch.griddepcontrol_wait()  # the logits' producer (previous launch) is complete
 
-    smem = cutlass.memory.SmemAllocator()
-    s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-    s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-    counts = cute.make_tensor(mWs.iterator + 4, cute.make_layout(E))
-    if cutlass.const_expr(COUNTS):
+    if cutlass.const_expr(COUNTS):  # the block histogram and the workspace's totals
+        smem = cutlass.memory.SmemAllocator()
+        s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        counts = cute.make_tensor(mWs.iterator + 4, cute.make_layout(E))
         clear_shared(s_cnt, E, THREADS)
 
     raw = cute.make_rmem_tensor(cute.make_layout(PER_LANE), Float32)
