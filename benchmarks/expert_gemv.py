@@ -40,10 +40,11 @@ ROUTER_TOKENS = (1, 8, 32, 64)
 
 
 def expert_problem(name: str, T: int):
-    """(fast, reference, expert_x, offsets) for shape `name` and T random tokens: `fast` are
-    Experts with the default backend, `reference` the same weights with backend "reference"
-    (torch._grouped_mm); expert_x/offsets from a real dispatch of the tokens (k experts each).
-    Shared with benchmarks/grouped_gemm.py."""
+    """(fast, reference, expert_x, offsets, x, row_token) for shape `name` and T random tokens:
+    `fast` are Experts with the default backend, `reference` the same weights with backend
+    "reference" (torch._grouped_mm); expert_x/offsets from a real dispatch of the tokens x
+    (k experts each); row_token int32 [T * k]: the token of each expert-major row (the gather
+    index that reads expert_x from x). Shared with benchmarks/grouped_gemm.py."""
     H, I, E, k = SHAPES[name]
     torch.manual_seed(T)
     fast = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
@@ -51,13 +52,16 @@ def expert_problem(name: str, T: int):
                         backend="reference")
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
-    ex, off, _ = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
-    return fast, reference, ex.contiguous(), off
+    ex, off, slot = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E)
+    row_token = torch.empty(T * k, dtype=torch.int32, device="cuda")
+    row_token[slot.flatten().long()] = torch.arange(T, dtype=torch.int32,
+                                                    device="cuda").repeat_interleave(k)
+    return fast, reference, ex.contiguous(), off, x, row_token
 
 
 def measure(name: str, T: int, bw: float) -> dict:
     H, I, E, k = SHAPES[name]
-    fast, grouped, ex, off = expert_problem(name, T)
+    fast, grouped, ex, off, *_ = expert_problem(name, T)
     rows = T * k
     per_expert = 3 * H * I * 2
     active = int((off[1:] > off[:-1]).sum())

@@ -8,7 +8,7 @@ the bf16 rate of an 8192^3 torch.mm, and the expert weights read once at the dev
 bandwidth. `--sweep` also times quack tile configurations (the sweep behind
 kernels/grouped_gemm.py's choice). Prints a table, writes JSON (--out); never asserts a time.
 
-Usage: python benchmarks/grouped_gemm.py [--sweep] [--tokens 256,4096] [--out bench_out/grouped_gemm.json]
+Usage: python benchmarks/grouped_gemm.py [--sweep [--configs A,B]] [--tokens 256,4096] [--out bench_out/grouped_gemm.json]
 """
 from __future__ import annotations
 
@@ -29,22 +29,34 @@ from moe_layer import matmul_flops, timed_us  # noqa: E402
 
 TOKENS = (256, 1024, 4096, 16384)
 # (tile_m, tile_n, pingpong, cluster_m, cluster_n) tried by --sweep for each GEMM on its own
+# 64-row ping-pong tiles round each expert's rows up to 64 instead of 128 (less padding at
+# r ~ 256) at a lower arithmetic intensity per tile.
 SWEEP = ((128, 128, True, 1, 2), (128, 192, True, 1, 2), (128, 192, True, 2, 1),
          (128, 256, False, 1, 2), (192, 128, True, 1, 2), (256, 128, False, 1, 2),
-         (256, 192, False, 1, 2), (128, 128, True, 2, 1))
+         (256, 192, False, 1, 2), (128, 128, True, 2, 1), (64, 256, True, 1, 2),
+         (64, 192, True, 1, 2), (64, 256, True, 2, 1), (128, 192, True, 1, 1))
 
 
-def sweep_configs(ex, off, fast: Experts) -> dict:
-    """{"gate_up": {config: µs}, "down": {config: µs}}: each GEMM timed alone per SWEEP entry."""
+def config_name(m: int, n: int, pp: bool, cm: int, cn: int) -> str:
+    return f"{m}x{n}{'pp' if pp else 'coop'}_c{cm}x{cn}"
+
+
+def sweep_configs(ex, off, fast: Experts, x, row_token, only: set[str] | None = None) -> dict:
+    """{"gate_up": {config: µs}, "down": {config: µs}, "gate_up_gather": {config: µs}}: each
+    GEMM timed alone per SWEEP entry (those named in `only`, when given); "gate_up_gather" is
+    the gate/up GEMM reading its rows straight from the tokens x through quack's gather_A
+    (A_idx = row_token; cluster_n = 1 configurations only), i.e. without the dispatch copy."""
     from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_act
     cap = torch.cuda.get_device_capability()[0]
-    out = {"gate_up": {}, "down": {}}
+    out = {"gate_up": {}, "down": {}, "gate_up_gather": {}}
     for m, n, pp, cm, cn in SWEEP:
+        name = config_name(m, n, pp, cm, cn)
+        if only is not None and name not in only:
+            continue
         cfg = GemmConfig(tile_m=m, tile_n=n, pingpong=pp, cluster_m=cm, cluster_n=cn,
                          is_dynamic_persistent=False, device_capacity=cap)
         kw = dict(cu_seqlens_m=off, store_preact=False, tuned=False, config=cfg)
-        name = f"{m}x{n}{'pp' if pp else 'coop'}_c{cm}x{cn}"
         try:
             def gate_up(x):
                 return gemm_act(x, fast.gate_up_proj.transpose(-2, -1), activation="swiglu",
@@ -55,12 +67,26 @@ def sweep_configs(ex, off, fast: Experts) -> dict:
                                                             activation=None, **kw), [act])
         except Exception as e:  # a configuration quack rejects for this shape: record, go on
             out["gate_up"][name] = out["down"][name] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        if cn != 1:
+            continue
+        try:
+            def gathered(t):
+                return gemm_act(t, fast.gate_up_proj.transpose(-2, -1), activation="swiglu",
+                                concat_layout=("B",), A_idx=row_token, **kw)[1]
+            err = (gathered(x).double() - act.double()).abs().max().item()
+            if err > 0:  # same rows, same tile order: the gathered GEMM must agree exactly
+                raise AssertionError(f"gathered gate/up differs by {err}")
+            out["gate_up_gather"][name] = timed_us(gathered, [x])
+        except Exception as e:
+            out["gate_up_gather"][name] = f"{type(e).__name__}: {e}"[:200]
     return out
 
 
-def measure(name: str, T: int, bw: float, flops: float, sweep: bool) -> dict:
+def measure(name: str, T: int, bw: float, flops: float, sweep: bool,
+            only: set[str] | None = None) -> dict:
     H, I, E, k = SHAPES[name]
-    fast, ref, ex, off = expert_problem(name, T)
+    fast, ref, ex, off, x, row_token = expert_problem(name, T)
     rows = T * k
     a, b = fast(ex, off)[:rows].double(), ref(ex, off)[:rows].double()
     res = {"shape": name, "T": T, "rows": rows, "quack_path": fast._quack(ex.device, ex.dtype),
@@ -70,7 +96,7 @@ def measure(name: str, T: int, bw: float, flops: float, sweep: bool) -> dict:
            "bytes_floor_us": int((off[1:] > off[:-1]).sum()) * 3 * H * I * 2 / bw * 1e6,
            "rel_diff": float((a - b).abs().max() / b.abs().max())}
     if sweep:
-        res["sweep_us"] = sweep_configs(ex, off, fast)
+        res["sweep_us"] = sweep_configs(ex, off, fast, x, row_token, only)
     return res
 
 
@@ -79,13 +105,17 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--configs", default=None,
+                   help="with --sweep: comma-separated configuration names, e.g. 64x256pp_c1x2 "
+                        "(default: all of SWEEP)")
     p.add_argument("--out", default="bench_out/grouped_gemm.json")
     a = p.parse_args(argv)
     if not quack_supported(torch.cuda.current_device(), torch.bfloat16):
         sys.exit("needs quack-kernels (pip install 'moe_runtime[gpu]') on an sm_90/sm_100 GPU")
     bw = copy_bandwidth()["best"]  # bytes/s, read + write counted
     flops = matmul_flops()
-    rows = [measure(s, T, bw, flops, a.sweep) for s in a.shapes.split(",")
+    only = set(a.configs.split(",")) if a.configs else None
+    rows = [measure(s, T, bw, flops, a.sweep, only) for s in a.shapes.split(",")
             for T in map(int, a.tokens.split(","))]
     path = pathlib.Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -250,7 +250,7 @@ def sweep(name, H, E, k, tokens=SWEEP):
 def tune(name, H, E, k):
     """Launch shapes, µs per variant: the router kernel's warps per block (without counts, as
     MoELayer runs it) from decode to prefill sizes (cute_compile.ROUTE_DECODE_MAX_TOKENS);
-    the decode dispatch's warps per block (item cap 256 per warp) at T <= 256
+    the decode dispatch's warps per block (each up to its item cap) at T <= 256
     (cute_compile.DISPATCH_DECODE_SHAPES); at large T the warps of the prefill slots launch,
     (warps, V) of the prefill copy launch (alone, layout precomputed) and of combine."""
     out = []
@@ -272,7 +272,7 @@ def tune(name, H, E, k):
         offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
         slot = torch.empty_like(ids)
         for warps, *_ in cute_compile.DISPATCH_DECODE_SHAPES:
-            if T * k > warps * 256:
+            if T * k > cute_compile.dispatch_decode_cap(warps):
                 continue
             fn = cute_compile.dispatch_decode_fn("bfloat16", H, E, k, warps)
             us = graph_us(lambda: fn(x, ids, ex, offsets, slot, 0, 1,

@@ -48,9 +48,11 @@ MODES = ("decode", "prefill")
 ROUTE_WARPS = {"decode": 4, "prefill": 16}
 ROUTE_DECODE_MAX_TOKENS = 1024
 DISPATCH_DECODE_V = 1
-# The decode dispatch: every block reads all T * k ids, ranks them 8 chunks of 32 per warp at
-# most and keeps a slot per item in shared memory, so a block of w warps takes up to w * 256
-# items. Fewer warps make each block's layout work shorter; more warps rank more items, and
+# The decode dispatch: every block reads all T * k ids, ranks them in chunks of 32 per warp
+# and keeps a slot per item in shared memory; each block shape is compiled for its row's item
+# cap (2 warps: 1 chunk per warp, 4 warps: 4, 8 warps: 8; compiled for 8 chunks per warp
+# before, the T = 1 dispatch took 1.98 / 1.95 / 1.67 us for Qwen3 / DeepSeek-V3 / Mixtral, with
+# the caps 1.46 / 1.56 / 1.47 on the H200). Fewer warps make each block's layout work shorter; more warps rank more items, and
 # scan more experts, in parallel. (warps, largest T * k, most local experts): the first row
 # that fits is used. H200 (benchmarks/local_dispatch_combine.py --tune): at T * k <= 64, 2
 # warps 1.7-2.2 us, 8 warps 2.0-2.7; at T * k in (64, 512] with E <= 128, 4 warps beat 8 by
@@ -110,6 +112,19 @@ def route_fn(dtype: str, E: int, K: int, sigmoid: bool, has_bias: bool, n_group:
         counts, warps, options=_options(arch))
 
 
+def dispatch_decode_cap(warps: int) -> int:
+    """Most T * k items a decode dispatch block of `warps` warps takes (its
+    DISPATCH_DECODE_SHAPES row).
+
+    Raises:
+        ValueError: warps not in DISPATCH_DECODE_SHAPES.
+    """
+    caps = [cap for w, cap, _ in DISPATCH_DECODE_SHAPES if w == warps]
+    if not caps:
+        raise ValueError(f"no decode dispatch shape has {warps} warps")
+    return max(caps)
+
+
 def dispatch_decode_warps(items: int, experts: int) -> int:
     """Warps per block of the decode dispatch for T * k = items and E local experts
     (DISPATCH_DECODE_SHAPES).
@@ -127,13 +142,13 @@ def dispatch_decode_warps(items: int, experts: int) -> int:
 @functools.lru_cache(maxsize=None)
 def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, warps: int = DISPATCH_DECODE_SHAPES[-1][0],
                        arch: str | None = None):
-    """fn(x, ids, out, offsets, slot, expert_start, align, max_grid); T * K <= warps * 256
-    (8 chunks of 32 per warp)."""
+    """fn(x, ids, out, offsets, slot, expert_start, align, max_grid); T * K <=
+    dispatch_decode_cap(warps)."""
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _ddec.dispatch_decode, _rows(dt, H, T), _rows(Int32, K, T), _rows(dt, H),
         _vec(Int32, E + 1), _rows(Int32, K, T), Int32(0), Int32(1), Int32(1), _stream(),
-        H, E, K, warps, DISPATCH_DECODE_V, warps * 256, options=_options(arch))
+        H, E, K, warps, DISPATCH_DECODE_V, dispatch_decode_cap(warps), options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)
