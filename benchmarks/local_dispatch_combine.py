@@ -168,7 +168,7 @@ def prefill_ranks(ids, E, k):
     rank = torch.empty_like(ids)
     offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
     ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
-    cute_compile.dispatch_slots_fn(E, k)(ids, rank, offsets, ws, 0, 1, 264)
+    cute_compile.dispatch_slots_fn(E, k)(ids, rank, offsets, ws, 0, 1)
     return rank, offsets
 
 
@@ -288,8 +288,7 @@ def tune(name, H, E, k):
         y = torch.empty_like(x)
         for warps in (8, 16):
             fn = cute_compile.dispatch_slots_fn(E, k, warps=warps)
-            grid = min(-(-(T * k) // (warps * 32)), 2 * sms)
-            us = graph_us(lambda: fn(ids, rank, offsets, ws, 0, 1, grid))
+            us = graph_us(lambda: fn(ids, rank, offsets, ws, 0, 1))
             out.append(dict(shape=name, T=T, op="dispatch_slots", warps=warps, us=us,
                             bytes=T * k * 8))
         for warps in (4, 8):

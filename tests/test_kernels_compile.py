@@ -51,7 +51,7 @@ FACTS = {
                         r"bar\.sync", r"griddepcontrol\.wait", r"griddepcontrol\.launch_dependents"],
     "dispatch_slots": [r"atom\.shared\.add", r"atom\.global(\.acq_rel)?(\.gpu)?\.add",
                        r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"ld\.relaxed\.gpu\.global",
-                       r"griddepcontrol\.launch_dependents"],
+                       r"griddepcontrol\.wait", r"griddepcontrol\.launch_dependents"],
     "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"griddepcontrol\.wait"],
     "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32", r"griddepcontrol\.wait",
                 r"griddepcontrol\.launch_dependents"],

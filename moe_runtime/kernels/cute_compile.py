@@ -60,9 +60,12 @@ DISPATCH_DECODE_V = 1
 # 0.2-0.3 us (DeepSeek-V3 T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3).
 DISPATCH_DECODE_SHAPES = ((2, 64, 1024), (4, 512, 128), (8, 2048, 1024))
 DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
-# prefill slots launch: at T = 4096 and 16384 (H200, --tune) 16 warps per block took 3.8-4.6 us
+# prefill slots launch (one thread per item): at T = 4096 and 16384 (H200, --tune, when it
+# still looped over items on at most 2 blocks per SM) 16 warps per block took 3.8-4.6 us
 # against 4.1-4.9 with 8 for the k = 8 shapes (Qwen3, DeepSeek-V3; 4.2 vs 5.0 for DeepSeek-V3
-# at 4096), 3.3-3.5 against 3.1-3.4 for Mixtral (k = 2)
+# at 4096), 3.3-3.5 against 3.1-3.4 for Mixtral (k = 2). One thread per item (ranks kept in
+# registers, written once) and PDL brought the whole prefill dispatch to within 2.1-2.6 us of
+# its copy launch alone (was 3.2-3.7): Qwen3 T = 4096 41.4 -> 40.2 us
 DISPATCH_SLOTS_WARPS = 16
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
@@ -153,11 +156,11 @@ def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, warps: int = DISPATCH
 
 @functools.lru_cache(maxsize=None)
 def dispatch_slots_fn(E: int, K: int, arch: str | None = None, warps: int = DISPATCH_SLOTS_WARPS):
-    """fn(ids, rank, offsets, ws, expert_start, align, grid)."""
+    """fn(ids, rank, offsets, ws, expert_start, align); T >= 1."""
     T = cute.sym_int()
     return cute.compile(
         _dslots.dispatch_slots, _rows(Int32, K, T), _rows(Int32, K, T), _vec(Int32, E + 1),
-        _vec(Int32, _dslots.workspace_words(E)), Int32(0), Int32(1), Int32(1), _stream(),
+        _vec(Int32, _dslots.workspace_words(E)), Int32(0), Int32(1), _stream(),
         E, K, warps, options=_options(arch))
 
 

@@ -21,8 +21,8 @@ which every block derives the whole layout from the ids (kernels/dispatch_decode
 also needs T * k <= DISPATCH_DECODE_MAX_ITEMS; its layout is deterministic (token-major inside
 each expert, as reference.dispatch). Prefill is a slots launch + a copy launch. Both dispatch
 modes, the expert GEMV and combine use programmatic dependent launch (PDL): the decode
-dispatch starts while the router kernel finishes, the prefill copy loads its x rows while the
-slots launch runs, the GEMVs and combine become resident while the launch before them ends;
+dispatch and the prefill slots launch start while the router kernel finishes, the prefill
+copy loads its x rows while the slots launch runs, the GEMVs and combine become resident while the launch before them ends;
 each waits (griddepcontrol.wait) before it reads what the launch before it writes.
 
 Device errors (a bounded device-side wait that gave up, e.g. the grid-barrier test probe) are
@@ -287,10 +287,8 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
             DISPATCH_DECODE_BLOCKS_PER_SM * _sm_count(dev.index))
     else:
         rank = torch.empty(T, k, dtype=torch.int32, device=dev)
-        threads = cc.DISPATCH_SLOTS_WARPS * 32
-        grid = min(-(-(T * k) // threads), 2 * _sm_count(dev.index))
         ws = workspace(dev, "dispatch_slots", _dslots.workspace_words(E))
-        cc.dispatch_slots_fn(E, k)(topk_ids, rank, offsets, ws, expert_start, align, grid)
+        cc.dispatch_slots_fn(E, k)(topk_ids, rank, offsets, ws, expert_start, align)
         cc.dispatch_copy_fn(dtype, H, E, k)(x, topk_ids, rank, offsets, expert_x, token_slot,
                                             expert_start)
     return expert_x, offsets, token_slot

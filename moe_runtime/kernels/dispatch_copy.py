@@ -4,9 +4,11 @@ Specialization (constexpr): dtype, H hidden, E local experts, K top-k, WARPS per
 vectors per lane per segment. Dynamic: T tokens, N output rows.
 One warp per (token, row segment), grid = ceil(T * NSEG / WARPS) (as large as the data needs):
 the warp loads the token's segment ONCE (128-bit loads); launched as a programmatic dependent
-launch of launch 1 (dispatch_slots.py), it does so while launch 1 still runs, then waits for it
-(griddepcontrol.wait); lanes j < K turn rank[t, j] into slot = offset[e] + rank and broadcast
-the K slots by shuffles, and the warp stores the segment to each of its local slots. Segment
+launch of launch 1 (dispatch_slots.py), it does so, and lanes j < K load the expert ids of
+(t, j), while launch 1 still runs (x and ids are launch 1's inputs, complete once launch 1's
+blocks passed their own wait, before they let this launch start), then waits for it
+(griddepcontrol.wait); lanes j < K turn rank[t, j] into slot = offset[e] + rank (both loads
+in flight together) and broadcast the K slots by shuffles, and the warp stores the segment to each of its local slots. Segment
 0's warp writes token_slot.
 """
 from __future__ import annotations
@@ -29,13 +31,15 @@ def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
     lane = cute.arch.lane_idx()
     t, seg = warp_unit(WARPS, num_segments(H, mX.element_type, V))
     frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
+    e = Int32(-1)
     if t < mX.shape[0]:
         load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, NV)
+        if lane < K:
+            e = mIds[t, lane] - expert_start
     cute.arch.griddepcontrol_wait()  # launch 1 complete: rank and offsets are final
     if t < mX.shape[0]:
         slot = Int32(-1)
         if lane < K:
-            e = mIds[t, lane] - expert_start
             if e >= 0 and e < E:
                 slot = mOffsets[e] + mRank[t, lane]
             if seg == 0:
