@@ -34,6 +34,11 @@ import torch
 #     lost by 10-40%;
 #   * otherwise gate/up 128x192 ping-pong (best or within 3% of the best in 9 of 12 cases);
 #     down 128x128 ping-pong (best or within 3% in all 12; 2-10% faster than 128x192 in 9).
+# A second sweep added cluster 1x1 tiles and 64-row ping-pong tiles (less padding at r ~ 256):
+# 64-row tiles lost 25-30% on gate/up (Qwen3-30B-A3B, T = 4096: 543-552 against 428 us);
+# cluster 1x1 moved with the run (Qwen3 T = 4096 gate/up 397 and 424 us in two runs against
+# 428-429 for 128x192 1x2; down 195 and 243 against 231-238) and lost at r <= 64, so the
+# choice above stays.
 GATE_UP_TILE = (128, 192, True, 1, 2)
 DOWN_TILE = (128, 128, True, 1, 2)
 ONE_TILE_192 = (192, 128, True, 1, 2)
