@@ -8,7 +8,8 @@ the bf16 rate of an 8192^3 torch.mm, and the expert weights read once at the dev
 bandwidth. `--sweep` also times quack tile configurations (the sweep behind
 kernels/grouped_gemm.py's choice). Prints a table, writes JSON (--out); never asserts a time.
 
-Usage: python benchmarks/grouped_gemm.py [--sweep [--configs A,B] [--gather]] [--tokens 256,4096] [--out bench_out/grouped_gemm.json]
+Usage: python benchmarks/grouped_gemm.py [--sweep [--configs A,B] [--gather]] [--shapes S,..]
+           [--tokens 256,4096] [--out bench_out/grouped_gemm.json]
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def sweep_configs(ex, off, fast: Experts, x, row_token, only: set[str] | None = 
     from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_act
     cap = torch.cuda.get_device_capability()[0]
-    out = {"gate_up": {}, "down": {}, "gate_up_gather": {}}
+    out = {"gate_up": {}, "down": {}} | ({"gate_up_gather": {}} if gather else {})
     for m, n, pp, cm, cn in SWEEP:
         name = config_name(m, n, pp, cm, cn)
         if only is not None and name not in only:
@@ -118,11 +119,18 @@ def main(argv=None) -> None:
                    help="with --sweep: also time the gate/up GEMM gathering rows from the tokens")
     p.add_argument("--out", default="bench_out/grouped_gemm.json")
     a = p.parse_args(argv)
-    if not quack_supported(torch.cuda.current_device(), torch.bfloat16):
+    if (a.configs or a.gather) and not a.sweep:
+        p.error("--configs and --gather need --sweep")
+    only = set(a.configs.split(",")) if a.configs else None
+    unknown = (only or set()) - {config_name(*c) for c in SWEEP}
+    if unknown:
+        p.error(f"unknown configurations {sorted(unknown)}; known: "
+                f"{', '.join(config_name(*c) for c in SWEEP)}")
+    if not torch.cuda.is_available() or not quack_supported(torch.cuda.current_device(),
+                                                            torch.bfloat16):
         sys.exit("needs quack-kernels (pip install 'moe_runtime[gpu]') on an sm_90/sm_100 GPU")
     bw = copy_bandwidth()["best"]  # bytes/s, read + write counted
     flops = matmul_flops()
-    only = set(a.configs.split(",")) if a.configs else None
     rows = [measure(s, T, bw, flops, a.sweep, only, a.gather) for s in a.shapes.split(",")
             for T in map(int, a.tokens.split(","))]
     path = pathlib.Path(a.out)

@@ -158,12 +158,22 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
     return results
 
 
+# programmatic dependent launches that must wait (griddepcontrol.wait) before their first
+# global memory access (the prefill copy loads x rows and ids before its wait on purpose)
+WAIT_FIRST = ("dispatch_decode", "dispatch_slots", "combine", "route", "route_nocounts")
+GLOBAL_ACCESS = r"\b(ld|st|atom|red)\.global\b"
+
+
 def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
     need = FACTS[kind]
     missing = [p for p in need if not re.search(p, ptx)]
     present = [p for p in FORBID + FORBID_KIND.get(kind, []) if re.search(p, ptx)]
     if missing or present:
         return f"PTX missing {missing} / forbidden present {present}"
+    if kind in WAIT_FIRST:
+        wait, first = re.search(r"griddepcontrol\.wait", ptx), re.search(GLOBAL_ACCESS, ptx)
+        if wait is None or (first is not None and first.start() < wait.start()):
+            return "a global memory access precedes griddepcontrol.wait"
     return None
 
 
@@ -252,6 +262,8 @@ def test_spec_grid_covers_the_issue_grid():
         for w in ROUTE_WARPS.values()}
     from moe_runtime.kernels import cute_compile as cc
     assert DECODE_WARPS == tuple(w for w, *_ in cc.DISPATCH_DECODE_SHAPES)
+    # each decode block shape ranks whole 32-item chunks per warp up to its item cap
+    assert all(cc.dispatch_decode_cap(w) % (w * 32) == 0 for w in DECODE_WARPS)
     assert ROUTE_WARPS == cc.ROUTE_WARPS
 
 

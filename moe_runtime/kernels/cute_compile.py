@@ -50,14 +50,15 @@ ROUTE_DECODE_MAX_TOKENS = 1024
 DISPATCH_DECODE_V = 1
 # The decode dispatch: every block reads all T * k ids, ranks them in chunks of 32 per warp
 # and keeps a slot per item in shared memory; each block shape is compiled for its row's item
-# cap (2 warps: 1 chunk per warp, 4 warps: 4, 8 warps: 8; compiled for 8 chunks per warp
-# before, the T = 1 dispatch took 1.98 / 1.95 / 1.67 us for Qwen3 / DeepSeek-V3 / Mixtral, with
-# the caps 1.46 / 1.56 / 1.47 on the H200). Fewer warps make each block's layout work shorter; more warps rank more items, and
-# scan more experts, in parallel. (warps, largest T * k, most local experts): the first row
-# that fits is used. H200 (benchmarks/local_dispatch_combine.py --tune): at T * k <= 64, 2
-# warps 1.7-2.2 us, 8 warps 2.0-2.7; at T * k in (64, 512] with E <= 128, 4 warps beat 8 by
-# 0.1-0.5 us (Mixtral T = 32..256, Qwen3 T = 32), while with E = 256 8 warps beat 4 by
-# 0.2-0.3 us (DeepSeek-V3 T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3).
+# cap (2 warps: 1 chunk per warp, 4 warps: 4, 8 warps: 8). Compiled for 8 chunks per warp
+# before, the T = 1 dispatch took 1.98 / 1.95 / 1.67 us for Qwen3 / DeepSeek-V3 / Mixtral;
+# with the caps 1.46 / 1.56 / 1.47 (H200). Fewer warps make each block's layout work shorter;
+# more warps rank more items, and scan more experts, in parallel. Rows are (warps, largest
+# T * k, most local experts); the first row that fits is used. H200
+# (benchmarks/local_dispatch_combine.py --tune): at T * k <= 64, 2 warps 1.7-2.2 us, 8 warps
+# 2.0-2.7; at T * k in (64, 512] with E <= 128, 4 warps beat 8 by 0.1-0.5 us (Mixtral
+# T = 32..256, Qwen3 T = 32), while with E = 256 8 warps beat 4 by 0.2-0.3 us (DeepSeek-V3
+# T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3).
 DISPATCH_DECODE_SHAPES = ((2, 64, 1024), (4, 512, 128), (8, 2048, 1024))
 DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
 # prefill slots launch (one thread per item): at T = 4096 and 16384 (H200, --tune, when it

@@ -22,8 +22,8 @@ also needs T * k <= DISPATCH_DECODE_MAX_ITEMS; its layout is deterministic (toke
 each expert, as reference.dispatch). Prefill is a slots launch + a copy launch. Both dispatch
 modes, the expert GEMV and combine use programmatic dependent launch (PDL): the decode
 dispatch and the prefill slots launch start while the router kernel finishes, the prefill
-copy loads its x rows while the slots launch runs, the GEMVs and combine become resident while the launch before them ends;
-each waits (griddepcontrol.wait) before it reads what the launch before it writes.
+copy loads its x rows and ids while the slots launch runs, the GEMVs and combine become
+resident while the launch before them ends; each waits (griddepcontrol.wait) before it reads what the launch before it writes.
 
 Device errors (a bounded device-side wait that gave up, e.g. the grid-barrier test probe) are
 recorded in mapped host memory and raised as moe_runtime.sync.DeviceSyncError at the start of a

@@ -3,13 +3,14 @@
 Specialization (constexpr): dtype, H hidden, E local experts, K top-k, WARPS per block, V
 vectors per lane per segment. Dynamic: T tokens, N output rows.
 One warp per (token, row segment), grid = ceil(T * NSEG / WARPS) (as large as the data needs):
-the warp loads the token's segment ONCE (128-bit loads); launched as a programmatic dependent
+the warp loads the token's segment ONCE (128-bit loads). Launched as a programmatic dependent
 launch of launch 1 (dispatch_slots.py), it does so, and lanes j < K load the expert ids of
-(t, j), while launch 1 still runs (x and ids are launch 1's inputs, complete once launch 1's
-blocks passed their own wait, before they let this launch start), then waits for it
-(griddepcontrol.wait); lanes j < K turn rank[t, j] into slot = offset[e] + rank (both loads
-in flight together) and broadcast the K slots by shuffles, and the warp stores the segment to each of its local slots. Segment
-0's warp writes token_slot.
+(t, j), while launch 1 still runs: x and ids were written before launch 1's predecessor
+completed, which every block of launch 1 observed in its own wait before it let this launch
+start. Then it waits for launch 1 (griddepcontrol.wait); lanes j < K turn rank[t, j] into
+slot = offset[e] + rank (both loads in flight together) and broadcast the K slots by
+shuffles, and the warp stores the segment to each of its local slots. Segment 0's warp
+writes token_slot.
 """
 from __future__ import annotations
 

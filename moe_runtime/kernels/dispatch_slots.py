@@ -15,8 +15,9 @@ previous launch (the router) ends and wait for it (griddepcontrol.wait) before a
 access; that wait also orders the workspace after the previous dispatch's last block cleared
 it. Launch 2 (dispatch_copy.py) turns ranks into slots and copies the rows; it is a PDL of this
 launch: every block lets it start right after its own wait (griddepcontrol.launch_dependents),
-so launch 2 loads its x rows while this launch runs (x is complete then: this launch's
-predecessor is) and waits (this grid complete, its writes visible) only before reading ranks.
+so launch 2 loads its x rows and the ids while this launch runs (both were written before
+this launch's predecessor completed, which that wait observed) and waits (this grid
+complete, its writes visible) only before reading ranks and offsets.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.
     counts = cute.make_tensor(mWs.iterator + 4, cute.make_layout(E))
     clear_shared(s_cnt, E, THREADS)  # shared memory only: before the wait
     cute.arch.griddepcontrol_wait()  # PDL: ids written, the previous dispatch's clear done
-    cute.arch.griddepcontrol_launch_dependents()  # launch 2 may start loading x rows now
+    cute.arch.griddepcontrol_launch_dependents()  # launch 2 may start loading x rows and ids now
 
     e = Int32(-1)
     if in_range:

@@ -20,8 +20,9 @@ router: dispatch derives its layout from the ids; on the H200 this saves about 1
 Workspace int32 [workspace_words(E)]: [0] arrival counter, [4 : 4 + E] counts.
 Launched as a programmatic dependent launch (PDL) of the router's logits GEMM: its blocks
 wait for that launch (griddepcontrol.wait) before any global access, and let the next launch
-start at once (griddepcontrol.launch_dependents): the decode dispatch (dispatch_decode.py) then
-becomes resident while this kernel runs (it waits for this grid before any global access).
+start at once (griddepcontrol.launch_dependents): the decode dispatch (dispatch_decode.py) or
+the prefill slots launch (dispatch_slots.py) then becomes resident while this kernel runs (it
+waits for this grid before any global access).
 """
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
     neg_inf = -Float32.inf
-    # the next launch (decode dispatch, a programmatic dependent launch) may start now: it
-    # waits for this grid before any global access
+    # the next launch (decode dispatch or prefill slots, programmatic dependent launches) may
+    # start now: it waits for this grid before any global access
     cute.arch.griddepcontrol_launch_dependents()
     cute.arch.griddepcontrol_wait()  # the logits' producer (previous launch) is complete
 
