@@ -58,7 +58,9 @@ DISPATCH_DECODE_V = 1
 # (benchmarks/local_dispatch_combine.py --tune): at T * k <= 64, 2 warps 1.7-2.2 us, 8 warps
 # 2.0-2.7; at T * k in (64, 512] with E <= 128, 4 warps beat 8 by 0.1-0.5 us (Mixtral
 # T = 32..256, Qwen3 T = 32), while with E = 256 8 warps beat 4 by 0.2-0.3 us (DeepSeek-V3
-# T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3).
+# T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3). 16 warps (cap 2048) were
+# no better than 8 at T * k in (512, 2048]: -0.4 to +1.6 us (Qwen3 T = 256 4.72 vs 5.09,
+# DeepSeek-V3 T = 128 6.69 vs 7.04, T = 256 12.4 vs 10.8).
 DISPATCH_DECODE_SHAPES = ((2, 64, 1024), (4, 512, 128), (8, 2048, 1024))
 DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
 # prefill slots launch (one thread per item): at T = 4096 and 16384 (H200, --tune, when it
