@@ -277,6 +277,9 @@ def test_ptx_checker_rejects_scalar_copies():
     assert _ptx_problems("dispatch_copy", (), vector) is None
     assert _ptx_problems("dispatch_copy", (), vector + "\n.local .align 4 .b8 __local_depot0[16];")
     decode = vector + "\nvote.sync.ballot.b32 %r1, %p2, -1;\npopc.b32 %r3, %r1;\nbar.warp.sync -1;\nbar.sync 0;\ngriddepcontrol.launch_dependents;"
+    # the decode dispatch must wait before its first global access (the copy launch need not)
+    assert "precedes griddepcontrol.wait" in _ptx_problems("dispatch_decode", (), decode)
+    decode = "griddepcontrol.wait;\n" + decode
     assert _ptx_problems("dispatch_decode", (), decode) is None
     assert "forbidden" in _ptx_problems("dispatch_decode", (), decode + "\natom.global.add.u32 %r4, [%rd1], 1;")
 
