@@ -52,10 +52,16 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 # Dispatch (barrier-free decode, T = 1..1024): decode was faster at every point under its item
 # cap (1.07-1.9x at T <= 128, 1.09-1.24x at the cap), so the bound is the largest size measured
 # there, 28 MiB (DeepSeek-V3, T = 256, where it meets the item cap; the cap binds first for the
-# narrower rows of Qwen3 and Mixtral).
-# Combine: both shapes use V = 1 and measured equal at large sizes, decode faster below.
+# narrower rows of Qwen3 and Mixtral). A later sweep with the one-thread-per-item slots launch
+# (T = 32..8192) put the best dispatch threshold at 8 MiB, but the points between 8 and 28 MiB
+# differ by at most 0.3 us either way (DeepSeek-V3 T = 128: 6.99 vs 6.67 and 6.92 vs 6.97 in two
+# runs; Mixtral T = 1024: 7.69 vs 7.80), so the bound stays.
+# Combine (both shapes use V = 1): the same sweep puts it at 4 MiB: above it the two shapes are
+# within 1% for Qwen3 and DeepSeek-V3 (T = 512..8192), while Mixtral's 16-segment rows of only
+# k = 2 gathers ran 3.13 / 5.71 us in the 4-warp decode shape against 2.64 / 4.01 in the 8-warp
+# prefill shape at T = 512 / 1024; decode is faster below (Mixtral T = 256: 2.01 vs 2.26).
 DISPATCH_DECODE_MAX_BYTES = 28 << 20
-COMBINE_DECODE_MAX_BYTES = 448 << 20
+COMBINE_DECODE_MAX_BYTES = 4 << 20
 # (t, j) items one decode dispatch takes (every block reads all of them)
 DISPATCH_DECODE_MAX_ITEMS = cc.DISPATCH_DECODE_MAX_ITEMS
 # decode dispatch grid: at most this many blocks per SM (one (token, segment) unit per warp
