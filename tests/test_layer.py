@@ -72,6 +72,8 @@ def test_layer_bad_input():
         layer(torch.tensor(1.0))
     with pytest.raises(ValueError, match="hidden_states is on meta but the layer's weights are on cpu"):
         layer(torch.empty(3, 16, device="meta"))
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, got list"):
+        layer([[0.0] * 16])
 
 
 @pytest.mark.parametrize("bad,exc,msg", [
@@ -84,6 +86,8 @@ def test_layer_bad_input():
     (dict(hidden_size=2.5), TypeError, "hidden_size must be an int"),
     (dict(num_experts=4.0), TypeError, "num_experts must be an int"),
     (dict(top_k=True), TypeError, "top_k must be an int"),
+    (dict(norm_topk_prob="no"), TypeError, "norm_topk_prob must be a bool, got str"),
+    (dict(router_logits_fp32=0), TypeError, "router_logits_fp32 must be a bool, got int"),
     (dict(shared_expert_intermediate_size=-1), ValueError, "shared_expert_intermediate_size"),
     (dict(shared_expert_gate=True), ValueError, "shared_expert_gate needs a shared expert"),
     (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
@@ -246,6 +250,11 @@ def test_layer_rejects_bad_construction_and_dtype_drift():
     with pytest.raises(TypeError, match="gate_up_proj must be torch.float32"):
         layer.load_expert_weights(torch.randn(4, 16, 16, dtype=torch.bfloat16),
                                   torch.randn(4, 16, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="down_proj is on meta but the layer's other parameters "
+                                         "are on cpu"):
+        layer.load_expert_weights(torch.randn(4, 16, 16), torch.empty(4, 16, 8, device="meta"))
+    with pytest.raises(TypeError, match="gate_up_proj must be a torch.Tensor, got ndarray"):
+        layer.load_expert_weights(torch.randn(4, 16, 16).numpy(), torch.randn(4, 16, 8))
     layer.to(torch.bfloat16)
     with pytest.raises(TypeError, match="config.dtype"):
         layer(torch.randn(3, 16))

@@ -283,7 +283,7 @@ class Engine:
         use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
         if use_gpu and gpus < self.world_size:
             if self._started_ray:
-                raise ValueError(f"device {device!r}: {self.world_size} GPU ranks need {self.world_size} "
+                raise ValueError(f"device {device!r}: {self.world_size} GPU rank(s) need as many "
                                  f"GPUs, this machine has {gpus:g} (lower --world-size or use --device cpu)")
             log.warning("moe_runtime: the Ray cluster has %g GPU(s) for %d GPU ranks; requesting the "
                         "GPU bundles anyway (waiting up to %gs for an autoscaler to add nodes)",

@@ -18,8 +18,8 @@ caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once
             vectors; two-shot: its strided part of every rank's slice), so the per-CTA barrier
             below also publishes the combine: no grid barrier, no second launch.
 Barriers are per CTA (CTA b of every rank meets CTA b of every rank); a vector is produced and
-consumed by CTAs with the same index on every rank, so no grid-wide barrier is needed (CUTEDSL.md
-P16: a barrier before reading peers and one before returning). Every wait is bounded and a
+consumed by CTAs with the same index on every rank, so no grid-wide barrier is needed (a
+barrier before reading peers and one before returning). Every wait is bounded and a
 timeout raises PeerTimeoutError naming the rank, the phase and the peer.
 Every launch is cooperative (all ranks' CTAs co-resident; virtual ranks: grid <= SMs).
 NVLS (multimem) lives in nvls_allreduce.py and is never selected unless nvls_allowed().

@@ -1,6 +1,6 @@
 """Device helpers for per-expert counting, shared by the routing and dispatch kernels.
 
-Two-level counting (CUTEDSL.md recipe 3): a (t, j) pick gets its rank inside the block from a
+Two-level counting: a (t, j) pick gets its rank inside the block from a
 shared-memory atomic; then ONE global atomic per (block, expert) adds the block's count and
 returns the block's base inside the expert. The offsets are the exclusive scan of the counts,
 each rounded up to `align` rows (grouped-GEMM padding).

@@ -8,7 +8,7 @@ the last, partial segment the lanes past nv re-load vector nv - 1 (in bounds, di
 only the stores are predicated. A load under a branch made the compiler convert its result
 inside the branch, i.e. wait for it there, which serialized the k gathers of combine (measured
 on the H200: 1.8 TB/s instead of 3.4). Callers issue all loads of a segment before its
-stores (CUTEDSL.md P10: loads are not reordered across stores that might alias).
+stores (the compiler does not move loads across stores that might alias).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """NVLS (NVLink SHARP multicast) two-shot all-reduce: multimem.ld_reduce / multimem.st on a
 multicast address. COMPILED AND PTX-CHECKED ONLY: it must never run on the shared GPU machines
-(multicast there can take the host's GPUs out of service; DESIGN.md, CUTEDSL.md recipe 8).
+(multicast there can take the host's GPUs out of service).
 
 Selection (`nvls_all_reduce` refuses otherwise): the device reports multicast support AND none of
 NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set

@@ -13,7 +13,7 @@ sync/grid_barrier.py for the fault a timer read caused in these kernels).
 
 Addresses: every buffer is reached through an Int64 address (peer pointer or local), never a
 cute tensor of dynamic extent, and row offsets are computed in Int64 (rows * H overflows int32
-for the big expert-major buffers, CUTEDSL.md P19).
+for the big expert-major buffers).
 """
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ def record_error(err: Int64, phase: Int32, peer: Int32, expected: Int32, seen: I
 @cute.jit
 def wait_ge(flag: cute.Pointer, target: Int32, err: Int64, max_spins: Int32, phase: Int32,
             peer: Int32):
-    """One thread waits for *flag - target >= 0 (monotonic epochs, wrap-safe, never `==`:
-    CUTEDSL.md P14) with ld.acquire.sys. Gives up after max_spins polls, or at
+    """One thread waits for *flag - target >= 0 (monotonic epochs, wrap-safe, never `==`,
+    which would hang on a missed epoch) with ld.acquire.sys. Gives up after max_spins polls, or at
     once when this rank already recorded an error; a timeout is recorded as (phase, peer)."""
     v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
     n = Int32(0)
@@ -131,7 +131,7 @@ def in_range(v: Int32, hi: Int32, err: Int64, phase: Int32, peer: Int32):
 @cute.jit
 def signal_release(flag: cute.Pointer, value: Int32, tidx: Int32):
     """After every thread's stores of this CTA (bar.sync), thread 0 publishes `value` with a
-    st.release.sys (cumulative: covers the CTA's prior stores, CUTEDSL.md recipe 4)."""
+    st.release.sys (cumulative: covers the CTA's prior stores under the PTX memory model)."""
     cute.arch.sync_threads()
     if tidx == 0:
         cute.arch.store(flag, value, sem="release", scope="sys")
@@ -140,8 +140,8 @@ def signal_release(flag: cute.Pointer, value: Int32, tidx: Int32):
 @cute.jit
 def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int32, err: Int64,
                       max_spins: Int32, phase: Int32):
-    """Barrier among the cpr CTAs of one rank (CUTEDSL.md recipe 5 bit-31 flip, self-resetting,
-    one word per rank). Needs the CTAs co-resident (cooperative launch, P15). Bounded by TWICE
+    """Barrier among the cpr CTAs of one rank (the bit-31 flip of sync/grid_barrier.py, self-resetting,
+    one word per rank). Needs the CTAs co-resident (cooperative launch). Bounded by TWICE
     max_spins: a CTA held up by a peer wait (bound 1x) reports that peer first and
     the barrier waiters then stop on its error; a barrier timeout of its own records
     (phase, peer=-1) and leaves the word dirty (reset() clears it)."""
@@ -160,9 +160,9 @@ def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int
 def cross_rank_barrier(mTab: cute.Tensor, sig_field: Constexpr[int], rank: Int32, lb: Int32,
                        epoch: Int32, tidx: Int32, err: Int64, max_spins: Int32, phase: Int32,
                        W: Constexpr[int]):
-    """CTA lb of every rank meets CTA lb of every other rank (CUTEDSL.md recipe 6): thread s < W
-    stores epoch into pad_s[lb, rank] (release.sys), then waits pad_rank[lb, s] >= epoch. Every
-    rank must launch the same number of CTAs per rank; epochs only grow (host take_sig_epochs)."""
+    """CTA lb of every rank meets CTA lb of every other rank: thread s < W stores epoch into
+    pad_s[lb, rank] (release.sys), then waits pad_rank[lb, s] >= epoch. Every rank must launch
+    the same number of CTAs per rank; epochs only grow (host take_sig_epochs)."""
     cute.arch.sync_threads()
     if tidx < W:
         peer = i32_at(mTab[sig_field, tidx])

@@ -3,7 +3,7 @@
 These functions are the single source of truth for what routing, dispatch and combine compute.
 They run on any device (CPU in CI) and are used by the `reference` backends of the topologies.
 
-Conventions (DESIGN.md terms):
+Conventions (the field's usual names):
     T tokens, H hidden, E experts (E_local on this rank), k = top-k.
     topk_ids    int32 [T, k]   global expert ids, distinct within a token
     topk_weights fp32 [T, k]

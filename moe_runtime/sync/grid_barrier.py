@@ -2,8 +2,7 @@
 
 grid_barrier: one 32-bit word in device memory, zeroed once at allocation, never memset again.
 Every block adds 1, block 0 adds 2^31 - (nblocks - 1), so bit 31 flips exactly when the last
-block arrives and the low bits return to 0 (the scheme of CUDA cooperative groups' grid.sync;
-CUTEDSL.md recipe 5). Each block waits until bit 31 differs from the `old` value its own atomic
+block arrives and the low bits return to 0 (the scheme of CUDA cooperative groups' grid.sync). Each block waits until bit 31 differs from the `old` value its own atomic
 returned, so there is no ABA problem and no epoch to pass in: the word is its own generation
 counter.
 
@@ -14,7 +13,7 @@ one-launch multi-phase kernels fail with "illegal memory access" at valid addres
 decode combines of kernels/ep_combine.py and kernels/allreduce.py at 2/4/8 virtual ranks,
 whatever the poll's scope, ordering, sleep or polling lanes; a core dump put it on the first
 poll after the timer read); without any timer read the same kernels pass. %globaltimer bounds
-also overshot 50 ms -> 3 s there (CUTEDSL.md §16 r9).
+also overshot 50 ms -> 3 s there (measured on the H200).
 
 On timeout the block records `site` in the error words (mapped host memory, see
 `moe_runtime.sync.host.ErrorFlags`) and returns ok = 0; callers skip the work that depended on

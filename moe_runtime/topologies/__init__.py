@@ -1,4 +1,4 @@
-"""Topologies: how token rows move between token owners and expert owners (DESIGN.md).
+"""Topologies: how token rows move between token owners and expert owners.
 
 `make_topology(name, num_experts, group=..., align=..., backend=...)` builds one by name;
 `select.select_topology` says which name fits a cluster.

@@ -1,4 +1,4 @@
-"""The topology contract: move tokens between token owners and expert owners (DESIGN.md).
+"""The topology contract: move tokens between token owners and expert owners.
 
     result = topo.dispatch(x[T,H], topk_ids[T,k] int32, topk_weights[T,k] fp32)
     y[T,H] = topo.combine(expert_y[N,H], result)

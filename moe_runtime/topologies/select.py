@@ -1,4 +1,4 @@
-"""Choose a topology from facts about the cluster and the model's parallel config (DESIGN.md).
+"""Choose a topology from facts about the cluster and the model's parallel config.
 
     info = ClusterInfo.gather(group)                      # facts from every rank of the group
     name, reason, allreduce = select_topology(info, ParallelConfig.from_mode("dp", W))
