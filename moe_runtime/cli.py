@@ -62,10 +62,12 @@ def _shard_size(text: str) -> int:
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each option's default, except None / False ones (nothing to show)."""
+    """--help shows each option's default, except None / False ones (nothing to show) and
+    flags (a store_true / store_false option's default says nothing about the flag)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if action.default is None or action.default is False or flag:
             return action.help
         return super()._get_help_string(action)
 

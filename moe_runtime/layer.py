@@ -104,7 +104,7 @@ class MoELayer(nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
             if w.dtype != self.config.dtype:
                 raise TypeError(f"{name} must be {self.config.dtype} (config.dtype), got {w.dtype}")
-            if w.device != device:
+            if w.device != device and device.type != "meta":  # (meta: a layer being assembled)
                 raise ValueError(f"{name} is on {w.device} but the layer's other parameters are "
                                  f"on {device}: move the weights (or the layer) first")
         r = self.local_expert_range
@@ -230,7 +230,9 @@ class MoELayer(nn.Module):
         Raises:
             TypeError: not a tensor, or a dtype other than config.dtype (or parameters cast
                 away from it).
-            ValueError: last dimension not H, or another device than the weights.
+            ValueError: last dimension not H, another device than the weights, or
+                backend="cute" where it cannot run (autograd recording, not CUDA, CuTeDSL
+                not importable).
             RuntimeError: a CUDA-graph capture of a forward that autograd records.
         """
         c = self.config

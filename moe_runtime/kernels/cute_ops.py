@@ -56,10 +56,12 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 # (T = 32..8192) put the best dispatch threshold at 8 MiB, but the points between 8 and 28 MiB
 # differ by at most 0.3 us either way (DeepSeek-V3 T = 128: 6.99 vs 6.67 and 6.92 vs 6.97 in two
 # runs; Mixtral T = 1024: 7.69 vs 7.80), so the bound stays.
-# Combine (both shapes use V = 1): the same sweep puts it at 4 MiB: above it the two shapes are
-# within 1% for Qwen3 and DeepSeek-V3 (T = 512..8192), while Mixtral's 16-segment rows of only
-# k = 2 gathers ran 3.13 / 5.71 us in the 4-warp decode shape against 2.64 / 4.01 in the 8-warp
-# prefill shape at T = 512 / 1024; decode is faster below (Mixtral T = 256: 2.01 vs 2.26).
+# Combine (both shapes use V = 1): the same sweep puts it at 4 MiB. Above it the two shapes are
+# within 1% for Qwen3 and DeepSeek-V3 at T = 512..8192 and within 0.1 us at Qwen3 T = 256 and
+# DeepSeek-V3 T = 64, 128 (DeepSeek-V3 T = 256: 6.00 against 5.74 us, the one point that lost),
+# while Mixtral's 16-segment rows of only k = 2 gathers ran 3.13 / 5.71 us in the 4-warp decode
+# shape against 2.64 / 4.01 in the 8-warp prefill shape at T = 512 / 1024 (2.55 / 3.87 in the
+# run after the change); decode is faster below (Mixtral T = 256: 2.01 vs 2.26).
 DISPATCH_DECODE_MAX_BYTES = 28 << 20
 COMBINE_DECODE_MAX_BYTES = 4 << 20
 # (t, j) items one decode dispatch takes (every block reads all of them)

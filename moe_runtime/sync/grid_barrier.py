@@ -2,9 +2,9 @@
 
 grid_barrier: one 32-bit word in device memory, zeroed once at allocation, never memset again.
 Every block adds 1, block 0 adds 2^31 - (nblocks - 1), so bit 31 flips exactly when the last
-block arrives and the low bits return to 0 (the scheme of CUDA cooperative groups' grid.sync). Each block waits until bit 31 differs from the `old` value its own atomic
-returned, so there is no ABA problem and no epoch to pass in: the word is its own generation
-counter.
+block arrives and the low bits return to 0 (the scheme of CUDA cooperative groups'
+grid.sync). Each block waits until bit 31 differs from the `old` value its own atomic returned,
+so there is no ABA problem and no epoch to pass in: the word is its own generation counter.
 
 The wait is bounded by `max_iters` polls (a strong load each, after a nanosleep back-off when
 SLEEP_NS > 0; kernels/peer_sync.wait_bounds converts the multi-rank timeouts). No timer is read:
