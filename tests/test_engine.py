@@ -296,6 +296,22 @@ def test_device_choice_from_cluster_gpus(gpus, device, embedded, want, caplog):
     assert ("requesting the GPU bundles anyway" in caplog.text) == (want == "cuda" and gpus < 16)
 
 
+def test_join_failure_names_our_option():
+    """ray.init(address="auto") without a cluster: the error names --ray-address (Ray's own text
+    names its CLI's --address flag)."""
+    from types import SimpleNamespace
+
+    def refuse(**kw):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one "
+                              "to connect to by setting `--address` flag")
+    fake_ray = SimpleNamespace(is_initialized=lambda: False, init=refuse)
+    eng = Engine.__new__(Engine)
+    eng.world_size, eng.timeout_s, eng._started_ray = 2, 30.0, False
+    with pytest.raises(ConnectionError, match=r"cannot join the Ray cluster at 'auto' "
+                                              r"\(--ray-address or RAY_ADDRESS"):
+        eng._init_ray(fake_ray, "auto", "auto", {})
+
+
 def test_embedded_ray_is_a_new_local_instance():
     """ray_address=None starts Ray with address="local": a cluster already running on this
     machine (`ray start --head`) must not be joined with num_cpus/num_gpus (Ray refuses that)."""

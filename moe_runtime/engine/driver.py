@@ -194,6 +194,8 @@ class Engine:
             model.safetensors.index.json, or no tokenizer (before Ray starts).
         RankError: a rank failed while starting or loading (all actors are gone afterwards).
         TimeoutError: the cluster could not place world_size ranks within timeout_s.
+        ConnectionError: ray_address (or RAY_ADDRESS) names a cluster that cannot be reached
+            or joined.
         TypeError: world_size not an int.
         ValueError: bad arguments (before Ray starts), unsupported model_type or dtype, or GPU ranks on an embedded
             Ray with fewer GPUs than world_size.
@@ -264,7 +266,11 @@ class Engine:
         if address is not None:
             _check_reachable(address, self.timeout_s)
             if not ray.is_initialized():
-                ray.init(address=address, **extra)
+                try:
+                    ray.init(address=address, **extra)
+                except ConnectionError as e:  # Ray's text names its own CLI flag (--address)
+                    raise ConnectionError(f"cannot join the Ray cluster at {address!r} (--ray-address "
+                                          f"or RAY_ADDRESS; omit both to start Ray embedded): {e}") from e
         elif not ray.is_initialized():
             # address "local": a new Ray of our own even when a local cluster runs here (`ray
             # start --head`, or a stale /tmp/ray/ray_current_cluster); without it ray.init joins
