@@ -172,7 +172,8 @@ def prefill_ranks(ids, E, k):
     return rank, offsets
 
 
-def copy_only_us(x, ids, E, k, warps=cute_compile.DISPATCH_COPY_WARPS, v=cute_compile.DISPATCH_COPY_V):
+def copy_only_us(x, ids, E, k, warps=cute_compile.DISPATCH_COPY_WARPS,
+                 v=cute_compile.DISPATCH_COPY_V):
     """µs of the prefill dispatch's copy launch alone (ranks and offsets already computed):
     the dispatch's row traffic without its layout step."""
     rank, offsets = prefill_ranks(ids, E, k)

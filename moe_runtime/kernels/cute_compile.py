@@ -10,8 +10,8 @@ extents, 16-byte alignment and the shared token dimension at call time.
 Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row segment):
     route             ROUTE_WARPS[mode], mode "decode" up to ROUTE_DECODE_MAX_TOKENS tokens
     dispatch decode   one launch, no grid barrier (T * k <= DISPATCH_DECODE_MAX_ITEMS),
-                      warps by T * k and E (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V, grid <= a
-                      few blocks per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
+                      warps by T * k and E (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V,
+                      grid <= a few blocks per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
     combine           combine_shape(mode)
@@ -146,8 +146,8 @@ def dispatch_decode_warps(items: int, experts: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, warps: int = DISPATCH_DECODE_SHAPES[-1][0],
-                       arch: str | None = None):
+def dispatch_decode_fn(dtype: str, H: int, E: int, K: int,
+                       warps: int = DISPATCH_DECODE_SHAPES[-1][0], arch: str | None = None):
     """fn(x, ids, out, offsets, slot, expert_start, align, max_grid); T * K <=
     dispatch_decode_cap(warps)."""
     dt, T = DTYPES[dtype], cute.sym_int()

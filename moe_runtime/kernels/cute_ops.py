@@ -23,7 +23,8 @@ each expert, as reference.dispatch). Prefill is a slots launch + a copy launch. 
 modes, the expert GEMV and combine use programmatic dependent launch (PDL): the decode
 dispatch and the prefill slots launch start while the router kernel finishes, the prefill
 copy loads its x rows and ids while the slots launch runs, the GEMVs and combine become
-resident while the launch before them ends; each waits (griddepcontrol.wait) before it reads what the launch before it writes.
+resident while the launch before them ends; each waits (griddepcontrol.wait) before it reads
+what the launch before it writes.
 
 Device errors (a bounded device-side wait that gave up, e.g. the grid-barrier test probe) are
 recorded in mapped host memory and raised as moe_runtime.sync.DeviceSyncError at the start of a
@@ -174,35 +175,31 @@ def route(
                              f"{getattr(correction_bias, 'shape', type(correction_bias).__name__)}")
         bias = correction_bias.to(device=dev, dtype=torch.float32).contiguous()
     else:
-        bias = _zeros_f32(dev.index, E)
+        bias = _const_zeros(dev.index, E, torch.float32)
     raise_pending()
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     if T == 0:
         return ids, weights, torch.zeros(E, dtype=torch.int32, device=dev) if with_counts else None
-    counts = torch.empty(E, dtype=torch.int32, device=dev) if with_counts else _zeros_i32(dev.index, E)
+    counts = (torch.empty(E, dtype=torch.int32, device=dev) if with_counts
+              else _const_zeros(dev.index, E, torch.int32))
     mode = "decode" if T <= cc.ROUTE_DECODE_MAX_TOKENS else "prefill"
     warps = cc.ROUTE_WARPS[mode]
     fn = cc.route_fn(_DTYPE_NAMES[logits.dtype], E, top_k, sigmoid, has_bias, n_group, topk_group,
                      bool(norm_topk_prob), bool(with_counts), warps)
     grid = min(-(-T // warps), (4 if mode == "decode" else 2) * _sm_count(dev.index))
     words = _route.workspace_words(E)  # (untouched without counts: a shared constant then)
-    ws = workspace(dev, "route", words) if with_counts else _zeros_i32(dev.index, words)
+    ws = (workspace(dev, "route", words) if with_counts
+          else _const_zeros(dev.index, words, torch.int32))
     fn(logits, bias, ids, weights, counts, ws, float(routed_scaling_factor), grid)
     return ids, weights, counts if with_counts else None
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_f32(index: int, n: int) -> torch.Tensor:
-    """A constant fp32 zero vector (the bias argument of routers without a correction bias)."""
-    return torch.zeros(n, dtype=torch.float32, device=torch.device("cuda", index))
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_i32(index: int, n: int) -> torch.Tensor:
-    """A constant int32 vector (the counts and workspace arguments of a route launch that
-    counts nothing: never written)."""
-    return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", index))
+def _const_zeros(index: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A cached zero vector on CUDA device `index` that no kernel writes: the bias of routers
+    without a correction bias, the counts and workspace of a route launch without counts."""
+    return torch.zeros(n, dtype=dtype, device=torch.device("cuda", index))
 
 
 # ------------------------------------------------------------------------------- dispatch
