@@ -13,7 +13,9 @@ torch kernels that move the same bytes with no layout work (`same_bytes_torch`: 
 broadcast copy / batched GEMV with no gather); the bytes the op writes at torch fill_'s
 write-only rate (dispatch writes k bytes per byte it reads; our copy launch writes faster than
 fill_, so this is a reference, not a bound); for a prefill dispatch, its copy launch alone with
-the layout precomputed (what the layout step, the slots launch, costs on top).
+the ranks and expert totals precomputed (what the slots launch costs on top); for every
+dispatch, the scatter floor: a kernel that stores each row to its slots, given, after one
+dependent load of them (no layout work; the least any dispatch does).
 `--tune` times other launch shapes of the router, the decode dispatch, the prefill slots and
 copy launches and combine (the measurements behind cute_compile's launch-shape constants).
 Switch point: decode vs prefill timed over a finer T sweep per shape (dispatch decode only where
@@ -33,11 +35,14 @@ import time
 
 import torch
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-from cutlass import Int32
+from cutlass import BFloat16, Constexpr, Int32
 
 from moe_runtime.kernels import cute_compile, cute_ops, dispatch_slots, reference, route_topk
+from moe_runtime.kernels.device_rows import (load_segment, num_segments, row_vectors,
+                                             store_segment, vec_width, warp_unit)
 
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 8), "deepseek-v3": (7168, 256, 8), "mixtral": (4096, 8, 2)}
 TOKENS = (1, 8, 64, 128, 512, 4096, 16384)
@@ -53,6 +58,45 @@ def _empty_kernel(m: cute.Tensor):
 @cute.jit
 def _empty(m: cute.Tensor, stream):
     _empty_kernel(m).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+
+
+@cute.kernel
+def _scatter_kernel(mX: cute.Tensor, mSlot: cute.Tensor, mOut: cute.Tensor, H: Constexpr[int],
+                    K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
+    VEC = vec_width(mX.element_type)
+    lane = cute.arch.lane_idx()
+    t, seg = warp_unit(WARPS, num_segments(H, mX.element_type, V))
+    if t < mX.shape[0]:
+        frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
+        load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, H // VEC)
+        slot = Int32(-1)
+        if lane < K:
+            slot = mSlot[t, lane]
+        for j in cutlass.range_constexpr(K):
+            dst = cute.arch.shuffle_sync(slot, offset=j)
+            store_segment(row_vectors(mOut[dst, None], VEC), frag, lane, seg, V, H // VEC)
+
+
+@cute.jit
+def _scatter(mX: cute.Tensor, mSlot: cute.Tensor, mOut: cute.Tensor, stream, H: Constexpr[int],
+             K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
+    units = mX.shape[0] * num_segments(H, mX.element_type, V)
+    _scatter_kernel(mX, mSlot, mOut, H, K, WARPS, V).launch(
+        grid=(cute.ceil_div(units, WARPS), 1, 1), block=(WARPS * 32, 1, 1), stream=stream)
+
+
+def scatter_floor_us(x, slot, out) -> float:
+    """µs of the least a dispatch must do once its layout is known: one kernel whose warps load
+    a token's row segment and its K slots (given), then store the segment to each slot (the
+    stores wait for one dependent load). Graph-replayed; 4 warps per block, V = 1 (the most
+    warps in flight at decode sizes)."""
+    T, K = slot.shape
+    H = x.shape[1]
+    rows, n = cute_compile._rows, cute.sym_int()  # x and slot share T
+    fn = cute.compile(_scatter, rows(BFloat16, H, n), rows(Int32, K, n), rows(BFloat16, H),
+                      make_fake_stream(use_tvm_ffi_env_stream=True), H, K, 4, 1,
+                      options="--enable-tvm-ffi")
+    return graph_us(lambda: fn(x, slot, out))
 
 
 def graph_us(fn, reps=REPS) -> float:
@@ -164,23 +208,24 @@ def same_bytes_torch(x, ex, slot, w):
 
 
 def prefill_ranks(ids, E, k):
-    """(rank, offsets) of `ids` from the prefill slots launch, ready for a copy launch alone."""
+    """(rank, workspace) of `ids` from the prefill slots launch, ready for copy launches alone
+    (each reads the totals of the set the slots launch used and clears only the other one)."""
     rank = torch.empty_like(ids)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
     ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
-    cute_compile.dispatch_slots_fn(E, k)(ids, rank, offsets, ws, 0, 1)
-    return rank, offsets
+    cute_compile.dispatch_slots_fn(E, k)(ids, rank, ws, 0)
+    return rank, ws
 
 
 def copy_only_us(x, ids, E, k, warps=cute_compile.DISPATCH_COPY_WARPS,
                  v=cute_compile.DISPATCH_COPY_V):
-    """µs of the prefill dispatch's copy launch alone (ranks and offsets already computed):
-    the dispatch's row traffic without its layout step."""
-    rank, offsets = prefill_ranks(ids, E, k)
+    """µs of the prefill dispatch's copy launch alone (ranks and expert totals already
+    computed): the dispatch's row traffic without the slots launch."""
+    rank, ws = prefill_ranks(ids, E, k)
     ex = torch.empty(ids.numel(), x.shape[1], dtype=x.dtype, device="cuda")
+    offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
     slot = torch.empty_like(ids)
     fn = cute_compile.dispatch_copy_fn("bfloat16", x.shape[1], E, k, warps=warps, v=v)
-    return graph_us(lambda: fn(x, ids, rank, offsets, ex, slot, 0))
+    return graph_us(lambda: fn(x, ids, rank, ws, ex, offsets, slot, 0, 1))
 
 
 def measure(name, H, E, k, T, bw, empty, fill_bw):
@@ -188,7 +233,9 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
     `stream_us`, graph-replayed torch kernels moving the same bytes without any layout work
     (same_bytes_torch); `write_floor_us`, the bytes the op writes at the fill_ rate (torch's
     write-only kernel: a reference rate, not a bound; our copy launch writes faster); and for
-    a prefill dispatch `copy_only_us`, its copy launch alone with the layout precomputed."""
+    a prefill dispatch `copy_only_us`, its copy launch alone with ranks and totals precomputed;
+    for dispatch `scatter_us`, the scatter floor (scatter_floor_us: the stores after one
+    dependent load of the known slots)."""
     x, ids, w = problem(T, H, E, k)
     rows = []
     dmode = cute_ops.select_dispatch_mode(T, k, H, x.dtype)
@@ -215,7 +262,9 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
         else:
             target, met = "-", None
         copy_us = copy_only_us(x, ids, E, k) if (op, mode) == ("dispatch", "prefill") else None
+        scatter_us = scatter_floor_us(x, slot, torch.empty_like(ex)) if op == "dispatch" else None
         rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, copy_only_us=copy_us,
+                         scatter_us=scatter_us,
                          tbps=nbytes / (us * 1e-6) / 1e12,
                          ratio_copy=nbytes / (us * 1e-6) / bw, ref_us=ref_us, speedup=ref_us / us,
                          gather_us=gather_us, stream_us=stream_us,
@@ -253,7 +302,7 @@ def tune(name, H, E, k):
     MoELayer runs it) from decode to prefill sizes (cute_compile.ROUTE_DECODE_MAX_TOKENS);
     the decode dispatch's warps per block (each up to its item cap) at T <= 256
     (cute_compile.DISPATCH_DECODE_SHAPES); at large T the warps of the prefill slots launch,
-    (warps, V) of the prefill copy launch (alone, layout precomputed) and of combine."""
+    (warps, V) of the prefill copy launch (alone, ranks and totals precomputed) and of combine."""
     out = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bias = torch.zeros(E, device="cuda")
@@ -282,14 +331,13 @@ def tune(name, H, E, k):
                             bytes=dispatch_bytes(T, H, k)))
     for T in (4096, 16384):
         x, ids, w = problem(T, H, E, k)
-        rank, offsets = prefill_ranks(ids, E, k)
-        ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
+        rank, ws = prefill_ranks(ids, E, k)  # (slots alone keeps adding into one set)
         ex, _, slot = cute_ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E,
                                                 mode="prefill")  # combine's input rows
         y = torch.empty_like(x)
         for warps in (8, 16):
             fn = cute_compile.dispatch_slots_fn(E, k, warps=warps)
-            us = graph_us(lambda: fn(ids, rank, offsets, ws, 0, 1))
+            us = graph_us(lambda: fn(ids, rank, ws, 0))
             out.append(dict(shape=name, T=T, op="dispatch_slots", warps=warps, us=us,
                             bytes=T * k * 8))
         for warps in (4, 8):
@@ -380,15 +428,17 @@ def main():
     print("gather / stream: torch kernels moving the same bytes with no layout work (an "
           "index_select; a broadcast copy or batched GEMV without gather); wr@fill: the bytes "
           "written at torch fill_'s rate (a reference, not a bound); copy: the prefill "
-          "dispatch's copy launch alone, layout precomputed")
+          "dispatch's copy launch alone, ranks and totals precomputed; scatter: a kernel storing "
+          "each row to its known slots after one dependent load (the least a dispatch does)")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
-          f"{'copy':>8s} {'gather':>8s} {'stream':>8s} {'wr@fill':>8s} {'ref us':>9s} "
+          f"{'copy':>8s} {'scatter':>8s} {'gather':>8s} {'stream':>8s} {'wr@fill':>8s} {'ref us':>9s} "
           f"{'speedup':>7s} {'target':>15s} met")
     for r in rows:
         met = "-" if r["target_met"] is None else ("yes" if r["target_met"] else "NO")
         copy = "-" if r["copy_only_us"] is None else f"{r['copy_only_us']:.2f}"
+        scatter = "-" if r["scatter_us"] is None else f"{r['scatter_us']:.2f}"
         print(f"{r['shape']:14s} {r['T']:6d} {r['op']:8s} {r['mode']:7s} {r['us']:9.2f} "
-              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {copy:>8s} {r['gather_us']:8.2f} "
+              f"{r['tbps']:6.2f} {r['ratio_copy']:6.2f} {copy:>8s} {scatter:>8s} {r['gather_us']:8.2f} "
               f"{r['stream_us']:8.2f} {r['write_floor_us']:8.2f} {r['ref_us']:9.1f} "
               f"{r['speedup']:7.1f} {r['target']:>15s} {met}")
     if tuned:

@@ -50,9 +50,9 @@ FACTS = {
     "dispatch_decode": [V4_LD, V4_ST, r"vote\.sync\.ballot\.b32", r"popc\.b32", r"bar\.warp\.sync",
                         r"bar\.sync", r"griddepcontrol\.wait", r"griddepcontrol\.launch_dependents"],
     "dispatch_slots": [r"atom\.shared\.add", r"atom\.global(\.acq_rel)?(\.gpu)?\.add",
-                       r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", r"ld\.relaxed\.gpu\.global",
                        r"griddepcontrol\.wait", r"griddepcontrol\.launch_dependents"],
-    "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"griddepcontrol\.wait"],
+    "dispatch_copy": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"shfl\.sync\.up", r"bar\.sync",
+                      r"griddepcontrol\.wait"],
     "combine": [V4_LD, V4_ST, r"shfl\.sync\.idx", r"fma\.rn\.f32|add\.f32", r"griddepcontrol\.wait",
                 r"griddepcontrol\.launch_dependents"],
     "route": [r"shfl\.sync\.bfly", r"atom\.shared\.add", r"atom\.global\.acq_rel(\.gpu)?\.add\.u32",
@@ -170,6 +170,11 @@ def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
     present = [p for p in FORBID + FORBID_KIND.get(kind, []) if re.search(p, ptx)]
     if missing or present:
         return f"PTX missing {missing} / forbidden present {present}"
+    if kind == "dispatch_copy" and args and not re.search(r"\.minnctapersm\s+\d+", ptx):
+        from moe_runtime.kernels import cute_compile as cc
+        from moe_runtime.kernels.dispatch_copy import full_occupancy_blocks
+        if full_occupancy_blocks(cc.DISPATCH_COPY_WARPS, cc.DISPATCH_COPY_V, args[2]):
+            return "the copy launch lost its blocks-per-SM bound (.minnctapersm)"
     if kind in WAIT_FIRST:
         wait, first = re.search(r"griddepcontrol\.wait", ptx), re.search(GLOBAL_ACCESS, ptx)
         if wait is None or (first is not None and first.start() < wait.start()):
@@ -273,8 +278,13 @@ def test_ptx_checker_rejects_scalar_copies():
     assert "missing" in _ptx_problems("dispatch_copy", (), scalar)
     vector = "ld.global.v4.b32 {%r1,%r2,%r3,%r4}, [%rd1];\nst.global.v4.b32 [%rd2], {...};\nshfl.sync.idx.b32"
     assert "griddepcontrol" in _ptx_problems("dispatch_copy", (), vector)  # PDL wait missing
-    vector += "\ngriddepcontrol.wait;"
+    vector += "\ngriddepcontrol.wait;\nshfl.sync.up.b32 %r6, %r5, 1, 0, -1;\nbar.sync 0;"
     assert _ptx_problems("dispatch_copy", (), vector) is None
+    # E = 128 at the default shape must carry the occupancy bound; E = 384 need not
+    assert "minnctapersm" in _ptx_problems("dispatch_copy", ("bfloat16", 2048, 128, 8), vector)
+    assert _ptx_problems("dispatch_copy", ("bfloat16", 2048, 128, 8),
+                         vector + "\n.minnctapersm 16") is None
+    assert _ptx_problems("dispatch_copy", ("bfloat16", 2048, 384, 8), vector) is None
     assert _ptx_problems("dispatch_copy", (), vector + "\n.local .align 4 .b8 __local_depot0[16];")
     decode = vector + "\nvote.sync.ballot.b32 %r1, %p2, -1;\npopc.b32 %r3, %r1;\nbar.warp.sync -1;\nbar.sync 0;\ngriddepcontrol.launch_dependents;"
     # the decode dispatch must wait before its first global access (the copy launch need not)

@@ -68,7 +68,9 @@ DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
 # against 4.1-4.9 with 8 for the k = 8 shapes (Qwen3, DeepSeek-V3; 4.2 vs 5.0 for DeepSeek-V3
 # at 4096), 3.3-3.5 against 3.1-3.4 for Mixtral (k = 2). One thread per item (ranks kept in
 # registers, written once) and PDL brought the whole prefill dispatch to within 2.1-2.6 us of
-# its copy launch alone (was 3.2-3.7): Qwen3 T = 4096 41.4 -> 40.2 us
+# its copy launch alone (was 3.2-3.7): Qwen3 T = 4096 41.4 -> 40.2 us. Moving the offset scan
+# from the slots launch's last block into the copy launch (dispatch_copy.py) left 0.2-2 us:
+# Qwen3 T = 4096 40.1 -> 39.4 us, Mixtral 31.3 -> 27.6, DeepSeek-V3 146.1 -> 144.3 (one run)
 DISPATCH_SLOTS_WARPS = 16
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
@@ -159,23 +161,24 @@ def dispatch_decode_fn(dtype: str, H: int, E: int, K: int,
 
 @functools.lru_cache(maxsize=None)
 def dispatch_slots_fn(E: int, K: int, arch: str | None = None, warps: int = DISPATCH_SLOTS_WARPS):
-    """fn(ids, rank, offsets, ws, expert_start, align); T >= 1."""
+    """fn(ids, rank, ws, expert_start); T >= 1."""
     T = cute.sym_int()
     return cute.compile(
-        _dslots.dispatch_slots, _rows(Int32, K, T), _rows(Int32, K, T), _vec(Int32, E + 1),
-        _vec(Int32, _dslots.workspace_words(E)), Int32(0), Int32(1), _stream(),
-        E, K, warps, options=_options(arch))
+        _dslots.dispatch_slots, _rows(Int32, K, T), _rows(Int32, K, T),
+        _vec(Int32, _dslots.workspace_words(E)), Int32(0), _stream(), E, K, warps,
+        options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)
 def dispatch_copy_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None,
                      warps: int = DISPATCH_COPY_WARPS, v: int = DISPATCH_COPY_V):
-    """fn(x, ids, rank, offsets, out, slot, expert_start)."""
+    """fn(x, ids, rank, ws, out, offsets, slot, expert_start, align)."""
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _dcopy.dispatch_copy, _rows(dt, H, T), _rows(Int32, K, T), _rows(Int32, K, T),
-        _vec(Int32, E + 1), _rows(dt, H), _rows(Int32, K, T), Int32(0), _stream(),
-        H, E, K, warps, v, options=_options(arch))
+        _vec(Int32, _dslots.workspace_words(E)), _rows(dt, H), _vec(Int32, E + 1),
+        _rows(Int32, K, T), Int32(0), Int32(1), _stream(), H, E, K, warps, v,
+        options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)

@@ -293,9 +293,9 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
     else:
         rank = torch.empty(T, k, dtype=torch.int32, device=dev)
         ws = workspace(dev, "dispatch_slots", _dslots.workspace_words(E))
-        cc.dispatch_slots_fn(E, k)(topk_ids, rank, offsets, ws, expert_start, align)
-        cc.dispatch_copy_fn(dtype, H, E, k)(x, topk_ids, rank, offsets, expert_x, token_slot,
-                                            expert_start)
+        cc.dispatch_slots_fn(E, k)(topk_ids, rank, ws, expert_start)
+        cc.dispatch_copy_fn(dtype, H, E, k)(x, topk_ids, rank, ws, expert_x, offsets, token_slot,
+                                            expert_start, align)
     return expert_x, offsets, token_slot
 
 

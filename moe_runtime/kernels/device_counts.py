@@ -11,7 +11,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32
 
-from ..sync.ordered import ld_relaxed
 
 
 @cute.jit
@@ -71,31 +70,45 @@ def block_exclusive_scan(val: Int32, s_warp: cute.Tensor, warps: Constexpr[int])
 
 
 @cute.jit
-def padded_offsets(counts: cute.Pointer, align: Int32, dst: cute.Tensor, s_warp: cute.Tensor,
-                   E: Constexpr[int], warps: Constexpr[int]):
-    """Block-wide: dst[e] = sum over e' < e of ceil(counts[e'] / align) * align, dst[E] = total.
-
-    counts are read with strong (L1-bypassing) loads: other blocks wrote them.
-    """
-    threads = warps * 32
-    per_t = (E + threads - 1) // threads  # thread t scans experts [t * per_t, (t + 1) * per_t)
-    tidx, _, _ = cute.arch.thread_idx()
-    part = Int32(0)
-    for i in cutlass.range_constexpr(per_t):
-        e = tidx * per_t + i
-        if e < E:
-            part = part + _padded(counts + e, align)
-    excl, total = block_exclusive_scan(part, s_warp, warps)
-    for i in cutlass.range_constexpr(per_t):
-        e = tidx * per_t + i
-        if e < E:
-            dst[e] = excl
-            excl = excl + _padded(counts + e, align)
-    if tidx == 0:
-        dst[E] = total
+def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], use: Int32, align: Int32,
+                       lane: Int32, E: Constexpr[int]) -> list:
+    """Warp-wide: [pad_i] for i < ceil(E / 32), pad_i = ceil(c / align) * align of expert
+    e = 32 * i + lane (0 for e >= E), where c is set `use` (0 or 1) of the two sets of E totals
+    in ws[at : at + E] and ws[at + E : at + 2E]. Both sets are loaded at once, so with `use`
+    just loaded they cost one round trip. Plain (L1-cached) loads: every warp of a grid reads
+    the same words, and strong loads, which all go to the one L2 slice holding them, made the
+    prefill copy launch 20-30% slower on the H200; the caller must order the loads after the
+    writers' completion (a kernel boundary or griddepcontrol.wait)."""
+    pads = []
+    for i in cutlass.range_constexpr((E + 31) // 32):
+        e = lane + 32 * i
+        idx = e
+        if cutlass.const_expr(32 * (i + 1) > E):
+            idx = cutlass.min(e, E - 1)  # in bounds, no branch around the loads
+        c0 = ws[at + idx]
+        c1 = ws[at + E + idx]
+        c = c1 if use != 0 else c0
+        pad = (c + align - 1) // align * align
+        if cutlass.const_expr(32 * (i + 1) > E):
+            pad = pad if e < E else Int32(0)
+        pads.append(pad)
+    return pads
 
 
 @cute.jit
-def _padded(count: cute.Pointer, align: Int32) -> Int32:
-    c = Int32(ld_relaxed(count))
-    return (c + align - 1) // align * align
+def warp_exclusive_offsets(pads: list, lane: Int32, dst: cute.Tensor, E: Constexpr[int]):
+    """One warp: dst[e] = the offset of expert e (the sum of the padded totals of the experts
+    below it) for e < E and dst[E] = the padded total; pads from warp_padded_totals, one
+    shuffle scan per 32 experts. dst may be shared or global."""
+    base = Int32(0)
+    for i in cutlass.range_constexpr(len(pads)):
+        incl = pads[i]
+        for b in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, offset=1 << b)
+            if lane >= (1 << b):
+                incl = incl + up
+        if lane + 32 * i < E:
+            dst[lane + 32 * i] = base + incl - pads[i]
+        base = base + cute.arch.shuffle_sync(incl, offset=31)
+    if lane == 0:
+        dst[E] = base

@@ -1,4 +1,4 @@
-"""Dispatch, prefill mode, launch 2 of 2: slots and row copies.
+"""Dispatch, prefill mode, launch 2 of 2: expert offsets, slots and row copies.
 
 Specialization (constexpr): dtype, H hidden, E local experts, K top-k, WARPS per block, V
 vectors per lane per segment. Dynamic: T tokens, N output rows.
@@ -7,10 +7,20 @@ the warp loads the token's segment ONCE (128-bit loads). Launched as a programma
 launch of launch 1 (dispatch_slots.py), it does so, and lanes j < K load the expert ids of
 (t, j), while launch 1 still runs: x and ids were written before launch 1's predecessor
 completed, which every block of launch 1 observed in its own wait before it let this launch
-start. Then it waits for launch 1 (griddepcontrol.wait); lanes j < K turn rank[t, j] into
-slot = offset[e] + rank (both loads in flight together) and broadcast the K slots by
-shuffles, and the warp stores the segment to each of its local slots. Segment 0's warp
-writes token_slot.
+start. Then it waits for launch 1 (griddepcontrol.wait); lanes j < K load rank[t, j] while the
+block's first warp loads launch 1's expert totals (both workspace sets and the word naming
+the set launch 1 used, one round trip; lane l holds experts l, l + 32, ...) and scans them
+by shuffles into the expert offsets in shared memory; after one block barrier, lane j < K
+forms slot = offset[e] + rank, the K slots are broadcast by shuffles, and the warp stores
+the segment to each of its local slots. Segment 0's warp writes token_slot; block 0 also
+writes expert_offsets [E+1], clears the other workspace set and flips ws[0] for the next
+launch 1 (see dispatch_slots.py).
+Measured on the H200 (benchmarks/local_dispatch_combine.py, T = 4096): every warp loading and
+scanning the totals itself cost Qwen3-30B-A3B 4.4 µs (a grid-wide burst of loads of the same
+few lines, all released by the same wait), and strong (L1-bypassing) loads of the totals or
+a three-barrier block scan cost 5-6 µs; one warp per block with plain loads and one barrier
+is what is left.
+Shared memory: E + 1 offsets.
 """
 from __future__ import annotations
 
@@ -18,33 +28,72 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32
 
+from .device_counts import warp_exclusive_offsets, warp_padded_totals
 from .device_rows import load_segment, num_segments, row_vectors, store_segment, vec_width, \
     warp_unit
+from .dispatch_slots import COUNTS_AT
+
+
+SM_THREADS = 2048  # resident threads per SM, compute capability 9.0 and 10.0 (CUDA C++
+# Programming Guide, "Features and Technical Specifications"): at most 64K / 2048 = 32 registers
+# per thread at full occupancy
+
+
+def full_occupancy_blocks(warps: int, v: int, num_experts: int) -> int:
+    """Blocks per SM the copy launch asks ptxas to fit (nvvm.minctasm): all of them while the
+    row fragment (4 * v registers) and the first warp's loads of both totals sets (2 per 32
+    experts) fit in 24 registers (ptxas -v, sm_90a: 32 registers, no spill, up to E = 128 at
+    v = 4; E = 256 spilled), else no bound (0). Qwen3-30B-A3B at T = 4096 (2048 blocks of 4
+    warps) is one wave at 16 blocks per SM and two at 12: without the bound the offset scan
+    took the kernel from 32 to 40 registers and cost 3.5 µs (H200). DeepSeek-V3 (E = 256)
+    runs many waves and measured the same at 40 registers."""
+    fits = 4 * v + 2 * ((num_experts + 31) // 32) <= 24
+    return SM_THREADS // (warps * 32) if fits else 0
 
 
 @cute.kernel
 def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
-                         mOffsets: cute.Tensor, mOut: cute.Tensor, mSlot: cute.Tensor,
-                         expert_start: Int32, H: Constexpr[int], E: Constexpr[int],
-                         K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
+                         mWs: cute.Tensor, mOut: cute.Tensor, mOffsets: cute.Tensor,
+                         mSlot: cute.Tensor, expert_start: Int32, align: Int32,
+                         H: Constexpr[int], E: Constexpr[int], K: Constexpr[int],
+                         WARPS: Constexpr[int], V: Constexpr[int]):
     VEC = vec_width(mX.element_type)
     NV = H // VEC
+    bidx, _, _ = cute.arch.block_idx()
     lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
     t, seg = warp_unit(WARPS, num_segments(H, mX.element_type, V))
+    smem = cutlass.memory.SmemAllocator()
+    s_off = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
     frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
     e = Int32(-1)
     if t < mX.shape[0]:
         load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, NV)
         if lane < K:
             e = mIds[t, lane] - expert_start
-    cute.arch.griddepcontrol_wait()  # launch 1 complete: rank and offsets are final
+    cute.arch.griddepcontrol_wait()  # launch 1 complete: ranks and totals are final
+    local = t < mX.shape[0] and lane < K and e >= 0 and e < E
+    rank = Int32(0)
+    if local:
+        rank = mRank[t, lane]
+    if warp == 0:  # the block's offsets, from launch 1's totals
+        used = mWs[1]
+        pads = warp_padded_totals(mWs, COUNTS_AT, used, align, lane, E)
+        warp_exclusive_offsets(pads, lane, s_off, E)
+        if bidx == 0:  # the next launch 1 adds into the other set: clear it, point ws[0] at it
+            warp_exclusive_offsets(pads, lane, mOffsets, E)
+            for i in cutlass.range_constexpr((E + 31) // 32):
+                if lane + 32 * i < E:
+                    mWs[COUNTS_AT + (1 - used) * E + lane + 32 * i] = 0
+            if lane == 0:
+                mWs[0] = 1 - used
+    cute.arch.sync_threads()
     if t < mX.shape[0]:
         slot = Int32(-1)
-        if lane < K:
-            if e >= 0 and e < E:
-                slot = mOffsets[e] + mRank[t, lane]
-            if seg == 0:
-                mSlot[t, lane] = slot
+        if local:
+            slot = s_off[e] + rank
+        if lane < K and seg == 0:
+            mSlot[t, lane] = slot
         for j in cutlass.range_constexpr(K):
             dst = cute.arch.shuffle_sync(slot, offset=j)
             if dst >= 0:
@@ -52,13 +101,15 @@ def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
 
 
 @cute.jit
-def dispatch_copy(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.Tensor,
-                  mOut: cute.Tensor, mSlot: cute.Tensor, expert_start: Int32, stream,
-                  H: Constexpr[int], E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int],
-                  V: Constexpr[int]):
-    """x [T,H] + rank/offsets from launch 1 -> out [N,H], slot int32 [T,K]; a programmatic
-    dependent launch (use_pdl) of launch 1."""
+def dispatch_copy(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor, mWs: cute.Tensor,
+                  mOut: cute.Tensor, mOffsets: cute.Tensor, mSlot: cute.Tensor,
+                  expert_start: Int32, align: Int32, stream, H: Constexpr[int], E: Constexpr[int],
+                  K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
+    """x [T,H] + ranks and totals from launch 1 -> out [N,H], offsets int32 [E+1], slot int32
+    [T,K]; a programmatic dependent launch (use_pdl) of launch 1."""
     nseg = num_segments(H, mX.element_type, V)
-    dispatch_copy_kernel(mX, mIds, mRank, mOffsets, mOut, mSlot, expert_start, H, E, K, WARPS,
-                         V).launch(grid=(cute.ceil_div(mX.shape[0] * nseg, WARPS), 1, 1),
-                                   block=(WARPS * 32, 1, 1), stream=stream, use_pdl=True)
+    dispatch_copy_kernel(mX, mIds, mRank, mWs, mOut, mOffsets, mSlot, expert_start, align, H, E,
+                         K, WARPS, V).launch(grid=(cute.ceil_div(mX.shape[0] * nseg, WARPS), 1, 1),
+                                             block=(WARPS * 32, 1, 1), stream=stream, use_pdl=True,
+                                             min_blocks_per_mp=full_occupancy_blocks(WARPS, V, E),
+                                             preferred_smem_carveout=-1)  # (-1: CUDA's default)

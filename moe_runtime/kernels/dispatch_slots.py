@@ -1,44 +1,55 @@
-"""Dispatch, prefill mode, launch 1 of 2: slot ranks and expert offsets.
+"""Dispatch, prefill mode, launch 1 of 2: slot ranks and per-expert counts.
 
 Specialization (constexpr): E local experts, K top-k, WARPS per block. Dynamic: T tokens.
 One thread per flattened (t, j) item, grid = ceil(T * K / threads) (as large as the data
 needs; the launcher derives it from the ids' shape):
   * a local expert gets a rank inside its block from a shared-memory atomic (atom.shared.add),
     kept in a register (-1 for experts outside [expert_start, expert_start + E));
-  * one global atomic per (block, expert) reserves a contiguous range (base); the item's
-    rank inside its expert, base + block rank, is written to `rank` [T, K] once;
-  * the block that finishes last (sync/grid_barrier.last_block_arrive) scans the padded counts
-    into expert_offsets [E+1] and clears the counters for the next launch.
-Workspace int32 [workspace_words(E)]: [0] arrival counter, [4 : 4 + E] counts; zero between
-launches. A programmatic dependent launch (PDL) itself: its blocks become resident while the
-previous launch (the router) ends and wait for it (griddepcontrol.wait) before any global
-access; that wait also orders the workspace after the previous dispatch's last block cleared
-it. Launch 2 (dispatch_copy.py) turns ranks into slots and copies the rows; it is a PDL of this
-launch: every block lets it start right after its own wait (griddepcontrol.launch_dependents),
-so launch 2 loads its x rows and the ids while this launch runs (both were written before
-this launch's predecessor completed, which that wait observed) and waits (this grid
-complete, its writes visible) only before reading ranks and offsets.
+  * one global atomic per (block, expert) adds the block's count to the expert's total and
+    returns the block's base inside the expert; the item's rank inside its expert, base +
+    block rank, is written to `rank` [T, K] once.
+The offsets are NOT made here: launch 2 (dispatch_copy.py) scans the totals in every block,
+so no block of this launch waits for the others (no last-block step on the critical path).
+
+Workspace int32 [workspace_words(E)], zero at first use, two sets of E totals:
+  ws[0]  the set p the next slots launch adds into (flipped by launch 2's block 0)
+  ws[1]  the set this launch used (written by block 0; launch 2 reads it)
+  ws[4 + p * E : 4 + (p + 1) * E]  the totals of set p
+Launch 2's block 0 clears the other set, which the next slots launch then uses: the totals
+of this launch stay intact until every block of launch 2 has read them, with no grid-wide
+sync (the next slots launch runs after launch 2 is complete). Graph replays keep this valid:
+the parity lives on the device.
+
+A programmatic dependent launch (PDL) itself: its blocks become resident while the previous
+launch (the router) ends and wait for it (griddepcontrol.wait) before any global access;
+that wait also orders the workspace after the previous dispatch's launch 2. Launch 2 is a
+PDL of this launch: every block lets it start right after its own wait
+(griddepcontrol.launch_dependents), so launch 2 loads its x rows and the ids while this
+launch runs (both were written before this launch's predecessor completed, which that wait
+observed) and waits (this grid complete, its writes visible) only before reading ranks and
+totals.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Constexpr, Int32, Uint32
+from cutlass import Constexpr, Int32
 
-from ..sync.grid_barrier import last_block_arrive
-from .device_counts import add_block_counts, clear_shared, padded_offsets
+from .device_counts import add_block_counts, clear_shared
+
+COUNTS_AT = 4  # first word of count set 0
 
 
 def workspace_words(num_experts: int) -> int:
-    return 4 + num_experts
+    """int32 words of the slots/copy workspace for `num_experts` local experts."""
+    return COUNTS_AT + 2 * num_experts
 
 
 @cute.kernel
-def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.Tensor,
-                          mWs: cute.Tensor, expert_start: Int32, align: Int32,
-                          E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int]):
+def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mWs: cute.Tensor,
+                          expert_start: Int32, E: Constexpr[int], K: Constexpr[int],
+                          WARPS: Constexpr[int]):
     THREADS = WARPS * 32
-    PER_T = (E + THREADS - 1) // THREADS
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     item = bidx * THREADS + tidx
@@ -46,13 +57,11 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.
     smem = cutlass.memory.SmemAllocator()
     s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
     s_base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-    s_warp = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
-    s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-    counts = cute.make_tensor(mWs.iterator + 4, cute.make_layout(E))
     clear_shared(s_cnt, E, THREADS)  # shared memory only: before the wait
-    cute.arch.griddepcontrol_wait()  # PDL: ids written, the previous dispatch's clear done
+    cute.arch.griddepcontrol_wait()  # PDL: ids written, the previous dispatch's launch 2 done
     cute.arch.griddepcontrol_launch_dependents()  # launch 2 may start loading x rows and ids now
 
+    p = mWs[0]  # written by the previous launch 2, complete (a plain load: one hot word)
     e = Int32(-1)
     if in_range:
         e = mIds[item // K, item % K] - expert_start
@@ -60,30 +69,23 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.
     if e >= 0 and e < E:
         r = cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
     cute.arch.sync_threads()
-    add_block_counts(s_cnt, counts.iterator, s_base, E, THREADS)
+    add_block_counts(s_cnt, mWs.iterator + (COUNTS_AT + p * E), s_base, E, THREADS)
     cute.arch.sync_threads()
     if in_range:
         rank = Int32(-1)
         if r >= 0:
             rank = r + s_base[e]
         mRank[item // K, item % K] = rank
-
-    if last_block_arrive(cute.recast_ptr(mWs.iterator, dtype=Uint32), s_flag.iterator) != 0:
-        padded_offsets(counts.iterator, align, mOffsets, s_warp, E, WARPS)
-        for i in cutlass.range_constexpr(PER_T):
-            x = tidx + i * THREADS
-            if x < E:
-                counts[x] = 0
-        if tidx == 0:
-            mWs[0] = 0
+    if bidx == 0 and tidx == 0:
+        mWs[1] = p
 
 
 @cute.jit
-def dispatch_slots(mIds: cute.Tensor, mRank: cute.Tensor, mOffsets: cute.Tensor, mWs: cute.Tensor,
-                   expert_start: Int32, align: Int32, stream,
-                   E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int]):
-    """ids int32 [T,K] (T >= 1) -> rank int32 [T,K] (rank inside its expert, -1 = not local),
-    offsets [E+1]; grid = ceil(T * K / threads), a programmatic dependent launch (use_pdl)."""
-    dispatch_slots_kernel(mIds, mRank, mOffsets, mWs, expert_start, align, E, K, WARPS).launch(
+def dispatch_slots(mIds: cute.Tensor, mRank: cute.Tensor, mWs: cute.Tensor, expert_start: Int32,
+                   stream, E: Constexpr[int], K: Constexpr[int], WARPS: Constexpr[int]):
+    """ids int32 [T,K] (T >= 1) -> rank int32 [T,K] (rank inside its expert, -1 = not local)
+    and the expert totals in the workspace; grid = ceil(T * K / threads), a programmatic
+    dependent launch (use_pdl)."""
+    dispatch_slots_kernel(mIds, mRank, mWs, expert_start, E, K, WARPS).launch(
         grid=(cute.ceil_div(mIds.shape[0] * K, WARPS * 32), 1, 1), block=(WARPS * 32, 1, 1),
         stream=stream, use_pdl=True)

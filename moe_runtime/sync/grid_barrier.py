@@ -22,7 +22,7 @@ with the error flags (`ErrorFlags.clear`).
 
 No local kernel needs grid_barrier now (the decode dispatch derives its layout in every block,
 kernels/dispatch_decode.py); it stays as the tested bounded primitive for one-launch multi-phase
-kernels, exercised by `barrier_probe`. last_block_arrive is used by routing and dispatch slots.
+kernels, exercised by `barrier_probe`. last_block_arrive is used by the routing kernel.
 
 Requirements: all blocks co-resident (launch with cooperative=True, grid <= SMs x occupancy),
 called from block-uniform control flow by every thread of every block, 1-D grids.
