@@ -14,8 +14,8 @@ broadcast copy / batched GEMV with no gather); the bytes the op writes at torch 
 write-only rate (dispatch writes k bytes per byte it reads; our copy launch writes faster than
 fill_, so this is a reference, not a bound); for a prefill dispatch, its copy launch alone with
 the ranks and expert totals precomputed (what the slots launch costs on top); for every
-dispatch, the scatter floor: a kernel that stores each row to its slots, given, after one
-dependent load of them (no layout work; the least any dispatch does).
+dispatch, a scatter: a kernel that stores each row to its slots, given, after one
+dependent load of them (no layout work; a reference, not a bound: one launch shape).
 `--tune` times other launch shapes of the router, the decode dispatch, the prefill slots and
 copy launches and combine (the measurements behind cute_compile's launch-shape constants).
 Switch point: decode vs prefill timed over a finer T sweep per shape (dispatch decode only where
@@ -66,6 +66,7 @@ def _scatter_kernel(mX: cute.Tensor, mSlot: cute.Tensor, mOut: cute.Tensor, H: C
     VEC = vec_width(mX.element_type)
     lane = cute.arch.lane_idx()
     t, seg = warp_unit(WARPS, num_segments(H, mX.element_type, V))
+    cute.arch.griddepcontrol_wait()  # launched as our kernels are (PDL): resident early
     if t < mX.shape[0]:
         frag = cute.make_rmem_tensor(cute.make_layout((VEC, V)), mX.element_type)
         load_segment(row_vectors(mX[t, None], VEC), frag, lane, seg, V, H // VEC)
@@ -82,14 +83,16 @@ def _scatter(mX: cute.Tensor, mSlot: cute.Tensor, mOut: cute.Tensor, stream, H: 
              K: Constexpr[int], WARPS: Constexpr[int], V: Constexpr[int]):
     units = mX.shape[0] * num_segments(H, mX.element_type, V)
     _scatter_kernel(mX, mSlot, mOut, H, K, WARPS, V).launch(
-        grid=(cute.ceil_div(units, WARPS), 1, 1), block=(WARPS * 32, 1, 1), stream=stream)
+        grid=(cute.ceil_div(units, WARPS), 1, 1), block=(WARPS * 32, 1, 1), stream=stream,
+        use_pdl=True)
 
 
-def scatter_floor_us(x, slot, out) -> float:
-    """µs of the least a dispatch must do once its layout is known: one kernel whose warps load
-    a token's row segment and its K slots (given), then store the segment to each slot (the
-    stores wait for one dependent load). Graph-replayed; 4 warps per block, V = 1 (the most
-    warps in flight at decode sizes)."""
+def scatter_us(x, slot, out) -> float:
+    """µs of a dispatch without its layout work: one kernel whose warps load a token's row
+    segment and its K slots (given), then store the segment to each slot (the stores wait for
+    one dependent load). A reference, not a bound (one launch shape, 4 warps per block and
+    V = 1, the most warps in flight at decode sizes; ours are tuned per size). Graph-replayed
+    and, like our kernels, a programmatic dependent launch that waits first."""
     T, K = slot.shape
     H = x.shape[1]
     rows, n = cute_compile._rows, cute.sym_int()  # x and slot share T
@@ -234,8 +237,8 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
     (same_bytes_torch); `write_floor_us`, the bytes the op writes at the fill_ rate (torch's
     write-only kernel: a reference rate, not a bound; our copy launch writes faster); and for
     a prefill dispatch `copy_only_us`, its copy launch alone with ranks and totals precomputed;
-    for dispatch `scatter_us`, the scatter floor (scatter_floor_us: the stores after one
-    dependent load of the known slots)."""
+    for dispatch `scatter_us`, a scatter of the rows to their known slots (the stores after
+    one dependent load, no layout work)."""
     x, ids, w = problem(T, H, E, k)
     rows = []
     dmode = cute_ops.select_dispatch_mode(T, k, H, x.dtype)
@@ -262,9 +265,9 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
         else:
             target, met = "-", None
         copy_us = copy_only_us(x, ids, E, k) if (op, mode) == ("dispatch", "prefill") else None
-        scatter_us = scatter_floor_us(x, slot, torch.empty_like(ex)) if op == "dispatch" else None
+        scatter = scatter_us(x, slot, torch.empty_like(ex)) if op == "dispatch" else None
         rows.append(dict(shape=name, T=T, op=op, mode=mode, us=us, copy_only_us=copy_us,
-                         scatter_us=scatter_us,
+                         scatter_us=scatter,
                          tbps=nbytes / (us * 1e-6) / 1e12,
                          ratio_copy=nbytes / (us * 1e-6) / bw, ref_us=ref_us, speedup=ref_us / us,
                          gather_us=gather_us, stream_us=stream_us,
@@ -429,7 +432,7 @@ def main():
           "index_select; a broadcast copy or batched GEMV without gather); wr@fill: the bytes "
           "written at torch fill_'s rate (a reference, not a bound); copy: the prefill "
           "dispatch's copy launch alone, ranks and totals precomputed; scatter: a kernel storing "
-          "each row to its known slots after one dependent load (the least a dispatch does)")
+          "each row to its known slots after one dependent load (no layout work)")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
           f"{'copy':>8s} {'scatter':>8s} {'gather':>8s} {'stream':>8s} {'wr@fill':>8s} {'ref us':>9s} "
           f"{'speedup':>7s} {'target':>15s} met")
