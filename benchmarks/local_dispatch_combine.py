@@ -303,7 +303,7 @@ def sweep(name, H, E, k, tokens=SWEEP):
 def tune(name, H, E, k):
     """Launch shapes, µs per variant: the router kernel's warps per block (without counts, as
     MoELayer runs it) from decode to prefill sizes (cute_compile.ROUTE_DECODE_MAX_TOKENS);
-    the decode dispatch's warps per block (each up to its item cap) at T <= 256
+    the decode dispatch's block shapes (warps, item cap) that hold T * k, at T <= 256
     (cute_compile.DISPATCH_DECODE_SHAPES); at large T the warps of the prefill slots launch,
     (warps, V) of the prefill copy launch (alone, ranks and totals precomputed) and of combine."""
     out = []
@@ -324,13 +324,13 @@ def tune(name, H, E, k):
         ex = torch.empty(T * k, H, dtype=x.dtype, device="cuda")
         offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
         slot = torch.empty_like(ids)
-        for warps, *_ in cute_compile.DISPATCH_DECODE_SHAPES:
-            if T * k > cute_compile.dispatch_decode_cap(warps):
+        for warps, cap in cute_compile.DISPATCH_DECODE_SHAPES:
+            if T * k > cap:
                 continue
-            fn = cute_compile.dispatch_decode_fn("bfloat16", H, E, k, warps)
+            fn = cute_compile.dispatch_decode_fn("bfloat16", H, E, k, warps, cap)
             us = graph_us(lambda: fn(x, ids, ex, offsets, slot, 0, 1,
                                      cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM * sms))
-            out.append(dict(shape=name, T=T, op="dispatch_decode", warps=warps, us=us,
+            out.append(dict(shape=name, T=T, op="dispatch_decode", warps=warps, cap=cap, us=us,
                             bytes=dispatch_bytes(T, H, k)))
     for T in (4096, 16384):
         x, ids, w = problem(T, H, E, k)
@@ -447,7 +447,8 @@ def main():
     if tuned:
         print("launch shapes (µs, fraction of copy bandwidth):")
         for r in tuned:
-            print(f"  {r['shape']:14s} T={r['T']:5d} {r['op']:15s} warps={r['warps']} "
+            cap = f" cap={r['cap']}" if "cap" in r else ""
+            print(f"  {r['shape']:14s} T={r['T']:5d} {r['op']:15s} warps={r['warps']}{cap} "
                   f"V={r.get('v', cute_compile.DISPATCH_DECODE_V)} {r['us']:8.2f} us "
                   f"{r['bytes'] / (r['us'] * 1e-6) / bw:5.2f}")
     print(f"wrote {out} ({time.time() - t0:.0f} s)")

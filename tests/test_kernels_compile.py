@@ -89,7 +89,7 @@ def _route_specs():
 
 
 # the launch-shape tables of cute_compile, copied here (no cutlass import at module level)
-DECODE_WARPS = (2, 4, 8)
+DECODE_SHAPES = ((2, 64), (4, 128), (8, 256), (8, 512), (8, 1024), (8, 2048))
 ROUTE_WARPS = {"decode": 4, "prefill": 16}
 DECODE_MAX_E = 1024  # cute_ops.MAX_EXPERTS: the decode dispatch keeps [warps, E] counts in smem
 
@@ -105,7 +105,7 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
     out = []
     for H in HIDDEN:
         for E, k in EK:
-            out += [("dispatch_decode", (dtype, H, E, k, w)) for w in DECODE_WARPS]
+            out += [("dispatch_decode", (dtype, H, E, k, w, c)) for w, c in DECODE_SHAPES]
             out.append(("dispatch_copy", (dtype, H, E, k)))
         for k in sorted({k for _, k in EK}):
             for mode in MODES:
@@ -116,7 +116,7 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
         out += [("expert_gemv", (dtype, H, E, 1, False)) for H, E in ROUTER_GEMV_SHAPES]
     if dtype == "bfloat16":
         # largest shared memory ([warps, E] counts), and the most experts per thread
-        out += [("dispatch_decode", (dtype, 2048, DECODE_MAX_E, 8, w)) for w in DECODE_WARPS]
+        out += [("dispatch_decode", (dtype, 2048, DECODE_MAX_E, 8, w, c)) for w, c in DECODE_SHAPES]
         out += [("dispatch_slots", (E, k)) for E, k in EK]
         out += _route_specs() + [("barrier_probe", ())]
     return out
@@ -259,16 +259,18 @@ def test_spec_grid_covers_the_issue_grid():
     comb = {(a, g) for a in ARCHS for d in DTYPES for k, g in specs_for(a, d) if k == "combine"}
     n = len(ARCHS) * len(DTYPES) * len(HIDDEN) * len(EK)
     # every block shape, + the E = 1024 decode configs
-    assert len(dec) == (n + len(ARCHS)) * len(DECODE_WARPS) and len(cpy) == n
+    assert len(dec) == (n + len(ARCHS)) * len(DECODE_SHAPES) and len(cpy) == n
     assert len(comb) == len(ARCHS) * len(DTYPES) * len(HIDDEN) * 3 * len(MODES)
     routes = [g for k, g in specs_for("sm_90a", "bfloat16") if k.startswith("route")]
     assert {(g[1], g[2], g[3], g[8], g[9]) for g in routes} == {
         (E, k, s, c, w) for E, k in EK for s in (False, True) for c in (False, True)
         for w in ROUTE_WARPS.values()}
     from moe_runtime.kernels import cute_compile as cc
-    assert DECODE_WARPS == tuple(w for w, *_ in cc.DISPATCH_DECODE_SHAPES)
+    assert DECODE_SHAPES == cc.DISPATCH_DECODE_SHAPES
     # each decode block shape ranks whole 32-item chunks per warp up to its item cap
-    assert all(cc.dispatch_decode_cap(w) % (w * 32) == 0 for w in DECODE_WARPS)
+    assert all(c % (w * 32) == 0 for w, c in DECODE_SHAPES)
+    with pytest.raises(ValueError, match="whole 32-item chunks"):
+        cc.dispatch_decode_fn("bfloat16", 2048, 128, 8, 8, 100, arch="sm_90a")
     assert ROUTE_WARPS == cc.ROUTE_WARPS
 
 

@@ -10,7 +10,7 @@ extents, 16-byte alignment and the shared token dimension at call time.
 Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row segment):
     route             ROUTE_WARPS[mode], mode "decode" up to ROUTE_DECODE_MAX_TOKENS tokens
     dispatch decode   one launch, no grid barrier (T * k <= DISPATCH_DECODE_MAX_ITEMS),
-                      warps by T * k and E (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V,
+                      warps and item cap by T * k (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V,
                       grid <= a few blocks per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
@@ -50,18 +50,20 @@ ROUTE_DECODE_MAX_TOKENS = 1024
 DISPATCH_DECODE_V = 1
 # The decode dispatch: every block reads all T * k ids, ranks them in chunks of 32 per warp
 # and keeps a slot per item in shared memory; each block shape is compiled for its row's item
-# cap (2 warps: 1 chunk per warp, 4 warps: 4, 8 warps: 8). Compiled for 8 chunks per warp
-# before, the T = 1 dispatch took 1.98 / 1.95 / 1.67 us for Qwen3 / DeepSeek-V3 / Mixtral;
-# with the caps 1.46 / 1.56 / 1.47 (H200). Fewer warps make each block's layout work shorter;
-# more warps rank more items, and scan more experts, in parallel. Rows are (warps, largest
-# T * k, most local experts); the first row that fits is used. H200
-# (benchmarks/local_dispatch_combine.py --tune): at T * k <= 64, 2 warps 1.7-2.2 us, 8 warps
-# 2.0-2.7; at T * k in (64, 512] with E <= 128, 4 warps beat 8 by 0.1-0.5 us (Mixtral
-# T = 32..256, Qwen3 T = 32), while with E = 256 8 warps beat 4 by 0.2-0.3 us (DeepSeek-V3
-# T = 32, 64); at T * k = 1024, 8 warps 3.4 us, 4 warps 3.9 (Qwen3). 16 warps (cap 2048) were
-# no better than 8 at T * k in (512, 2048]: -0.4 to +1.6 us (Qwen3 T = 256 4.72 vs 5.09,
-# DeepSeek-V3 T = 128 6.69 vs 7.04, T = 256 12.4 vs 10.8).
-DISPATCH_DECODE_SHAPES = ((2, 64, 1024), (4, 512, 128), (8, 2048, 1024))
+# cap, and every chunk past the items still costs (its ids are loaded, its branch unrolled).
+# Rows are (warps, largest T * k); the first row that fits is used. H200, graph replay:
+#   * 2 warps at T * k <= 64: 1.7-2.2 us against 2.0-2.7 with 8 (an 8-chunks-per-warp cap
+#     took the T = 1 dispatch to 1.98 / 1.95 / 1.67 us for Qwen3 / DeepSeek-V3 / Mixtral);
+#   * caps of exactly the items (--tune times every row that holds T * k): DeepSeek-V3 T = 128
+#     6.15 us at cap 1024 against 7.05 at cap 2048, Qwen3 T = 128 3.03 against 3.34, Mixtral
+#     T = 64 1.72 at (4 warps, cap 128) against 1.91 at cap 512; with caps that fit, 8 warps
+#     beat 4 at 512 items (Qwen3 2.28 against 2.45, DeepSeek-V3 3.77 against 4.00) and tie at
+#     256 (Mixtral T = 128 2.04 / 2.08); 4 warps win at 128 (Mixtral T = 64 1.72 / 1.83);
+#   * 16 warps (cap 2048) were no better than 8 at T * k in (512, 2048]: -0.4 to +1.6 us.
+# The whole dispatch with this table against (2, 64), (4, 512 for E <= 128), (8, 2048):
+# DeepSeek-V3 T = 64 / 128 3.99 / 6.89 -> 3.69 / 6.05 us, Qwen3 T = 128 3.32 -> 3.02, Mixtral
+# T = 64 / 128 1.80 / 2.25 -> 1.67 / 2.06 (local_dispatch_combine.py, graph replay).
+DISPATCH_DECODE_SHAPES = ((2, 64), (4, 128), (8, 256), (8, 512), (8, 1024), (8, 2048))
 DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
 # prefill slots launch (one thread per item): at T = 4096 and 16384 (H200, --tune, when it
 # still looped over items on at most 2 blocks per SM) 16 warps per block took 3.8-4.6 us
@@ -120,43 +122,36 @@ def route_fn(dtype: str, E: int, K: int, sigmoid: bool, has_bias: bool, n_group:
         counts, warps, options=_options(arch))
 
 
-def dispatch_decode_cap(warps: int) -> int:
-    """Most T * k items a decode dispatch block of `warps` warps takes (its
-    DISPATCH_DECODE_SHAPES row).
-
-    Raises:
-        ValueError: warps not in DISPATCH_DECODE_SHAPES.
-    """
-    caps = [cap for w, cap, _ in DISPATCH_DECODE_SHAPES if w == warps]
-    if not caps:
-        raise ValueError(f"no decode dispatch shape has {warps} warps")
-    return max(caps)
-
-
-def dispatch_decode_warps(items: int, experts: int) -> int:
-    """Warps per block of the decode dispatch for T * k = items and E local experts
-    (DISPATCH_DECODE_SHAPES).
+def dispatch_decode_shape(items: int) -> tuple[int, int]:
+    """(warps per block, item cap) of the decode dispatch for T * k = items: the first
+    DISPATCH_DECODE_SHAPES row that holds them.
 
     Raises:
         ValueError: items above DISPATCH_DECODE_MAX_ITEMS.
     """
-    for warps, cap, max_experts in DISPATCH_DECODE_SHAPES:
-        if items <= cap and experts <= max_experts:
-            return warps
+    for warps, cap in DISPATCH_DECODE_SHAPES:
+        if items <= cap:
+            return warps, cap
     raise ValueError(f"the decode dispatch takes at most {DISPATCH_DECODE_MAX_ITEMS} (t, j) "
                      f"items, got {items}")
 
 
 @functools.lru_cache(maxsize=None)
-def dispatch_decode_fn(dtype: str, H: int, E: int, K: int,
-                       warps: int = DISPATCH_DECODE_SHAPES[-1][0], arch: str | None = None):
-    """fn(x, ids, out, offsets, slot, expert_start, align, max_grid); T * K <=
-    dispatch_decode_cap(warps)."""
+def dispatch_decode_fn(dtype: str, H: int, E: int, K: int, warps: int, cap: int,
+                       arch: str | None = None):
+    """fn(x, ids, out, offsets, slot, expert_start, align, max_grid) for T * K <= cap items,
+    (warps, cap) a DISPATCH_DECODE_SHAPES row (cap a whole number of 32-item chunks per warp).
+
+    Raises:
+        ValueError: cap not a multiple of warps * 32.
+    """
+    if cap % (warps * 32):
+        raise ValueError(f"item cap {cap} is not whole 32-item chunks for {warps} warps")
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _ddec.dispatch_decode, _rows(dt, H, T), _rows(Int32, K, T), _rows(dt, H),
         _vec(Int32, E + 1), _rows(Int32, K, T), Int32(0), Int32(1), Int32(1), _stream(),
-        H, E, K, warps, DISPATCH_DECODE_V, dispatch_decode_cap(warps), options=_options(arch))
+        H, E, K, warps, DISPATCH_DECODE_V, cap, options=_options(arch))
 
 
 @functools.lru_cache(maxsize=None)

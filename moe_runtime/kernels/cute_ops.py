@@ -287,7 +287,7 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     dtype = _DTYPE_NAMES[x.dtype]
     if mode == "decode":
-        cc.dispatch_decode_fn(dtype, H, E, k, cc.dispatch_decode_warps(T * k, E))(
+        cc.dispatch_decode_fn(dtype, H, E, k, *cc.dispatch_decode_shape(T * k))(
             x, topk_ids, expert_x, offsets, token_slot, expert_start, align,
             DISPATCH_DECODE_BLOCKS_PER_SM * _sm_count(dev.index))
     else:

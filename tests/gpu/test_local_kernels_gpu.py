@@ -141,7 +141,7 @@ def test_dispatch_decode_edge_cases(ops, case):
         "T1_k1": (1, 2048, 128, 1, torch.bfloat16, 0, 128, 1),
         "small_block_max_experts": (3, 512, 1280, 8, torch.bfloat16, 256, 1024, 4),
         "small_block_cap": (8, 2048, 128, 8, torch.bfloat16, 0, 128, 1),   # 64 items: 2 warps
-        "mid_block_cap_one_expert": (256, 1024, 8, 2, torch.bfloat16, 0, 8, 1),  # 512: 4 warps
+        "mid_block_cap_one_expert": (256, 1024, 8, 2, torch.bfloat16, 0, 8, 1),  # 512 items
         "odd_hidden": (37, 2888, 64, 6, torch.bfloat16, 0, 64, 1),   # 361 vectors: 12 segments
         "one_vector_rows": (300, 4, 16, 3, torch.float32, 0, 16, 8),
         "max_experts_align": (200, 1024, 1280, 8, torch.bfloat16, 256, 1024, 4),
@@ -159,6 +159,24 @@ def test_dispatch_decode_edge_cases(ops, case):
                                mode="decode")
     check_dispatch(x, ids, out, expert_start=start, num_local_experts=n_local, align=align,
                    exact_slots=True)
+
+
+def _decode_shape_items():
+    from moe_runtime.kernels.cute_compile import DISPATCH_DECODE_SHAPES
+    caps = [cap for _, cap in DISPATCH_DECODE_SHAPES]
+    return sorted(set(caps) | {c + 1 for c in caps[:-1]})
+
+
+@pytest.mark.parametrize("items", _decode_shape_items())
+def test_dispatch_decode_every_block_shape(ops, items):
+    """Each decode block shape (cute_compile.DISPATCH_DECODE_SHAPES) at exactly its item cap
+    (k = 8) and one item past the cap of the shape below it (k = 1: one lane of a new chunk)."""
+    k = 8 if items % 8 == 0 else 1
+    T, H, E = items // k, 640, 64
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    ids = rand_ids(T, E, k)
+    out = ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=E, mode="decode")
+    check_dispatch(x, ids, out, expert_start=0, num_local_experts=E, exact_slots=True)
 
 
 def test_dispatch_decode_item_cap(ops):
