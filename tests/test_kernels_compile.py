@@ -24,6 +24,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -151,7 +153,8 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
             continue
         t0 = time.time()
         try:
-            err = _ptx_problems(kind, args, getters[kind](*args, arch=arch).artifacts.PTX)
+            ptx = getters[kind](*args, arch=arch).artifacts.PTX
+            err = _ptx_problems(kind, args, ptx) or _ptxas_spills(kind, arch, ptx)
         except Exception as ex:  # reported by the test, per configuration
             err = f"{type(ex).__name__}: {str(ex)[:400]}"
         results.append((arch, kind, args, err, time.time() - t0))
@@ -159,9 +162,33 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
 
 
 # programmatic dependent launches that must wait (griddepcontrol.wait) before their first
-# global memory access (the prefill copy loads x rows and ids before its wait on purpose)
+# global memory access (the prefill copy loads x rows and ids before its wait on purpose, but
+# writes nothing before it)
 WAIT_FIRST = ("dispatch_decode", "dispatch_slots", "combine", "route", "route_nocounts")
+WRITE_AFTER_WAIT = ("dispatch_copy",)
 GLOBAL_ACCESS = r"\b(ld|st|atom|red)\.global\b"
+GLOBAL_WRITE = r"\b(st|atom|red)\.global\b"
+# kernels compiled under a blocks-per-SM bound (.minnctapersm), where ptxas may spill to fit
+PTXAS_CHECKED = ("dispatch_copy",)
+
+
+def _ptxas_spills(kind: str, arch: str, ptx: str) -> str | None:
+    """ptxas's spill report for a kernel compiled under a register bound, when a ptxas is on
+    PATH (a spill happens in ptxas, after the PTX the other checks read)."""
+    ptxas = shutil.which("ptxas")
+    if kind not in PTXAS_CHECKED or ptxas is None or ".minnctapersm" not in ptx:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:  # a ptxas too old for the arch: nothing to read
+        return None
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out.stderr)]
+    return f"ptxas spills under the blocks-per-SM bound: {spills}" if any(spills) else None
 
 
 def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
@@ -175,10 +202,12 @@ def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
         from moe_runtime.kernels.dispatch_copy import full_occupancy_blocks
         if full_occupancy_blocks(cc.DISPATCH_COPY_WARPS, cc.DISPATCH_COPY_V, args[2]):
             return "the copy launch lost its blocks-per-SM bound (.minnctapersm)"
-    if kind in WAIT_FIRST:
-        wait, first = re.search(r"griddepcontrol\.wait", ptx), re.search(GLOBAL_ACCESS, ptx)
+    if kind in WAIT_FIRST + WRITE_AFTER_WAIT:
+        first = re.search(GLOBAL_ACCESS if kind in WAIT_FIRST else GLOBAL_WRITE, ptx)
+        wait = re.search(r"griddepcontrol\.wait", ptx)
         if wait is None or (first is not None and first.start() < wait.start()):
-            return "a global memory access precedes griddepcontrol.wait"
+            what = "access" if kind in WAIT_FIRST else "write"
+            return f"a global memory {what} precedes griddepcontrol.wait"
     return None
 
 
@@ -278,15 +307,21 @@ def test_ptx_checker_rejects_scalar_copies():
     """The PTX facts catch a kernel that lost its 128-bit accesses."""
     scalar = "ld.global.b16 %rs1, [%rd1];\nst.global.b16 [%rd2], %rs1;\nshfl.sync.idx.b32 ..."
     assert "missing" in _ptx_problems("dispatch_copy", (), scalar)
-    vector = "ld.global.v4.b32 {%r1,%r2,%r3,%r4}, [%rd1];\nst.global.v4.b32 [%rd2], {...};\nshfl.sync.idx.b32"
-    assert "griddepcontrol" in _ptx_problems("dispatch_copy", (), vector)  # PDL wait missing
-    vector += "\ngriddepcontrol.wait;\nshfl.sync.up.b32 %r6, %r5, 1, 0, -1;\nbar.sync 0;"
+    load = "ld.global.v4.b32 {%r1,%r2,%r3,%r4}, [%rd1];\n"
+    rest = ("shfl.sync.up.b32 %r6, %r5, 1, 0, -1;\nbar.sync 0;\nshfl.sync.idx.b32\n"
+            "st.global.v4.b32 [%rd2], {...};")
+    assert "griddepcontrol" in _ptx_problems("dispatch_copy", (), load + rest)  # PDL wait missing
+    vector = load + "griddepcontrol.wait;\n" + rest
     assert _ptx_problems("dispatch_copy", (), vector) is None
     # E = 128 at the default shape must carry the occupancy bound; E = 384 need not
     assert "minnctapersm" in _ptx_problems("dispatch_copy", ("bfloat16", 2048, 128, 8), vector)
     assert _ptx_problems("dispatch_copy", ("bfloat16", 2048, 128, 8),
                          vector + "\n.minnctapersm 16") is None
     assert _ptx_problems("dispatch_copy", ("bfloat16", 2048, 384, 8), vector) is None
+    # the copy launch may load before its wait, but not write
+    early = "st.global.b32 [%rd9], %r1;\n" + vector
+    assert "write precedes" in _ptx_problems("dispatch_copy", (), early)
+    assert _ptx_problems("dispatch_copy", (), "ld.global.b32 %r1, [%rd9];\n" + vector) is None
     assert _ptx_problems("dispatch_copy", (), vector + "\n.local .align 4 .b8 __local_depot0[16];")
     decode = vector + "\nvote.sync.ballot.b32 %r1, %p2, -1;\npopc.b32 %r3, %r1;\nbar.warp.sync -1;\nbar.sync 0;\ngriddepcontrol.launch_dependents;"
     # the decode dispatch must wait before its first global access (the copy launch need not)

@@ -297,7 +297,11 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
         rank = torch.empty(T, k, dtype=torch.int32, device=dev)
         ws = workspace(dev, "dispatch_slots", _dslots.workspace_words(E))
         slots(topk_ids, rank, ws, expert_start)
-        copy(x, topk_ids, rank, ws, expert_x, offsets, token_slot, expert_start, align)
+        try:
+            copy(x, topk_ids, rank, ws, expert_x, offsets, token_slot, expert_start, align)
+        except BaseException:
+            ws.zero_()  # (stream-ordered after the slots launch; all zeros is a valid state)
+            raise
     return expert_x, offsets, token_slot
 
 

@@ -74,11 +74,12 @@ def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], use: Int32, align: I
                        lane: Int32, E: Constexpr[int]) -> list:
     """Warp-wide: [pad_i] for i < ceil(E / 32), pad_i = ceil(c / align) * align of expert
     e = 32 * i + lane (0 for e >= E), where c is set `use` (0 or 1) of the two sets of E totals
-    in ws[at : at + E] and ws[at + E : at + 2E]. Both sets are loaded at once, so with `use`
-    just loaded they cost one round trip. Plain (L1-cached) loads: every warp of a grid reads
-    the same words, and strong loads, which all go to the one L2 slice holding them, made the
-    prefill copy launch 20-30% slower on the H200; the caller must order the loads after the
-    writers' completion (a kernel boundary or griddepcontrol.wait)."""
+    in ws[at : at + E] and ws[at + E : at + 2E]. The compiler turns the choice of set into the
+    load's address, so the totals wait for `use` (two dependent round trips) and hold one
+    register per 32 experts. Plain (L1-cached) loads: every warp of a grid may read the same
+    words, and strong loads, which all go to the one L2 slice holding them, made the prefill
+    copy launch 20-30% slower on the H200; the caller must order the loads after the writers'
+    completion (a kernel boundary or griddepcontrol.wait)."""
     pads = []
     for i in cutlass.range_constexpr((E + 31) // 32):
         e = lane + 32 * i
@@ -96,10 +97,12 @@ def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], use: Int32, align: I
 
 
 @cute.jit
-def warp_exclusive_offsets(pads: list, lane: Int32, dst: cute.Tensor, E: Constexpr[int]):
+def warp_exclusive_offsets(pads: list, lane: Int32, dst: cute.Tensor, E: Constexpr[int],
+                           also: cute.Tensor, to_also: cutlass.Boolean):
     """One warp: dst[e] = the offset of expert e (the sum of the padded totals of the experts
-    below it) for e < E and dst[E] = the padded total; pads from warp_padded_totals, one
-    shuffle scan per 32 experts. dst may be shared or global."""
+    below it) for e < E and dst[E] = the padded total, also written to `also` where to_also
+    (the same in every lane); pads from warp_padded_totals, one shuffle scan per 32 experts.
+    dst and also may be shared or global."""
     base = Int32(0)
     for i in cutlass.range_constexpr(len(pads)):
         incl = pads[i]
@@ -109,6 +112,10 @@ def warp_exclusive_offsets(pads: list, lane: Int32, dst: cute.Tensor, E: Constex
                 incl = incl + up
         if lane + 32 * i < E:
             dst[lane + 32 * i] = base + incl - pads[i]
+            if to_also:
+                also[lane + 32 * i] = base + incl - pads[i]
         base = base + cute.arch.shuffle_sync(incl, offset=31)
     if lane == 0:
         dst[E] = base
+        if to_also:
+            also[E] = base

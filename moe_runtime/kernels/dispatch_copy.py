@@ -8,13 +8,13 @@ launch of launch 1 (dispatch_slots.py), it does so, and lanes j < K load the exp
 (t, j), while launch 1 still runs: x and ids were written before launch 1's predecessor
 completed, which every block of launch 1 observed in its own wait before it let this launch
 start. Then it waits for launch 1 (griddepcontrol.wait); lanes j < K load rank[t, j] while the
-block's first warp loads launch 1's expert totals (both workspace sets and the word naming
-the set launch 1 used, one round trip; lane l holds experts l, l + 32, ...) and scans them
-by shuffles into the expert offsets in shared memory; after one block barrier, lane j < K
-forms slot = offset[e] + rank, the K slots are broadcast by shuffles, and the warp stores
-the segment to each of its local slots. Segment 0's warp writes token_slot; block 0 also
-writes expert_offsets [E+1], clears the other workspace set and flips ws[0] for the next
-launch 1 (see dispatch_slots.py).
+block's first warp loads the word naming the workspace set launch 1 used, then that set's
+expert totals (lane l holds experts l, l + 32, ...), and scans them by shuffles into the
+expert offsets in shared memory; after one block barrier, lane j < K forms
+slot = offset[e] + rank, the K slots are broadcast by shuffles, and the warp stores the
+segment to each of its local slots. Segment 0's warp writes token_slot; block 0 also writes
+expert_offsets [E+1], clears the other workspace set and flips ws[0] for the next launch 1
+(see dispatch_slots.py). Every global store comes after the wait.
 Measured on the H200 (benchmarks/local_dispatch_combine.py, T = 4096): every warp loading and
 scanning the totals itself cost Qwen3-30B-A3B 4.4 µs (a grid-wide burst of loads of the same
 few lines, all released by the same wait), and strong (L1-bypassing) loads of the totals or
@@ -41,12 +41,13 @@ SM_THREADS = 2048  # resident threads per SM, compute capability 9.0 and 10.0 (C
 
 def full_occupancy_blocks(warps: int, v: int, num_experts: int) -> int:
     """Blocks per SM the copy launch asks ptxas to fit (nvvm.minctasm): all of them while the
-    row fragment (4 * v registers) and the first warp's loads of both totals sets (2 per 32
-    experts) fit in 24 registers (ptxas -v, sm_90a: 32 registers, no spill, up to E = 128 at
-    v = 4; E = 256 spilled), else no bound (0). Qwen3-30B-A3B at T = 4096 (2048 blocks of 4
-    warps) is one wave at 16 blocks per SM and two at 12: without the bound the offset scan
-    took the kernel from 32 to 40 registers and cost 3.5 µs (H200). DeepSeek-V3 (E = 256)
-    runs many waves and measured the same at 40 registers."""
+    row fragment (4 * v registers) and the first warp's totals (one register per 32 experts)
+    leave room in 32 registers, else no bound (0). ptxas -v, sm_90a, v = 4: 32 registers and
+    no spill up to E = 128 with the bound; E = 256 spilled under it and takes 40 registers
+    without it, E = 384 48, E = 1024 64 (8 blocks per SM; not measured). Qwen3-30B-A3B at
+    T = 4096 (2048 blocks of 4 warps) is one wave at 16 blocks per SM and two at 12: without
+    the bound the offset scan took the kernel from 32 to 40 registers and cost 3.5 µs (H200).
+    DeepSeek-V3 (E = 256) runs many waves and measured the same at 40 registers."""
     fits = 4 * v + 2 * ((num_experts + 31) // 32) <= 24
     return SM_THREADS // (warps * 32) if fits else 0
 
@@ -79,9 +80,8 @@ def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
     if warp == 0:  # the block's offsets, from launch 1's totals
         used = mWs[1]
         pads = warp_padded_totals(mWs, COUNTS_AT, used, align, lane, E)
-        warp_exclusive_offsets(pads, lane, s_off, E)
+        warp_exclusive_offsets(pads, lane, s_off, E, mOffsets, bidx == 0)
         if bidx == 0:  # the next launch 1 adds into the other set: clear it, point ws[0] at it
-            warp_exclusive_offsets(pads, lane, mOffsets, E)
             for i in cutlass.range_constexpr((E + 31) // 32):
                 if lane + 32 * i < E:
                     mWs[COUNTS_AT + (1 - used) * E + lane + 32 * i] = 0

@@ -15,6 +15,8 @@ Workspace int32 [workspace_words(E)], zero at first use, two sets of E totals:
   ws[0]  the set p the next slots launch adds into (flipped by launch 2's block 0)
   ws[1]  the set this launch used (written by block 0; launch 2 reads it)
   ws[4 + p * E : 4 + (p + 1) * E]  the totals of set p
+Every slots launch must be followed by its launch 2 before the next slots launch
+(cute_ops._dispatch zeroes the workspace if launch 2 fails to start).
 Launch 2's block 0 clears the other set, which the next slots launch then uses: the totals
 of this launch stay intact until every block of launch 2 has read them, with no grid-wide
 sync (the next slots launch runs after launch 2 is complete). Graph replays keep this valid:

@@ -161,16 +161,15 @@ def test_dispatch_decode_edge_cases(ops, case):
                    exact_slots=True)
 
 
-def _decode_shape_items():
-    from moe_runtime.kernels.cute_compile import DISPATCH_DECODE_SHAPES
-    caps = [cap for _, cap in DISPATCH_DECODE_SHAPES]
-    return sorted(set(caps) | {c + 1 for c in caps[:-1]})
+DECODE_CAPS = (64, 128, 256, 512, 1024, 2048)  # cute_compile.DISPATCH_DECODE_SHAPES' caps
 
 
-@pytest.mark.parametrize("items", _decode_shape_items())
+@pytest.mark.parametrize("items", sorted(set(DECODE_CAPS) | {c + 1 for c in DECODE_CAPS[:-1]}))
 def test_dispatch_decode_every_block_shape(ops, items):
     """Each decode block shape (cute_compile.DISPATCH_DECODE_SHAPES) at exactly its item cap
     (k = 8) and one item past the cap of the shape below it (k = 1: one lane of a new chunk)."""
+    from moe_runtime.kernels.cute_compile import DISPATCH_DECODE_SHAPES
+    assert DECODE_CAPS == tuple(cap for _, cap in DISPATCH_DECODE_SHAPES)
     k = 8 if items % 8 == 0 else 1
     T, H, E = items // k, 640, 64
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
@@ -232,31 +231,51 @@ def test_dispatch_auto_mode_and_decode_1000_calls(ops):
 
 
 def test_dispatch_prefill_300_calls(ops):
-    """300 back-to-back prefill dispatches (T = 1..3000, alignments 1 and 16): the expert
-    totals' two workspace sets (each copy launch clears the one the next slots launch adds
-    into) carry nothing between launches. Checked on the device per call (no sync): offsets
-    exact; each expert's slots are exactly offset[e] + 0..count-1; rows bit-exact."""
-    H, E, k = 256, 64, 6
+    """300 prefill dispatches back to back, nothing launched between them (each copy launch
+    is followed at once by the next slots launch), T = 1..3000, alignments 1 and 16, 40 local
+    experts of 64 (expert_start 16: some picks not local): the expert totals' two workspace
+    sets (each copy launch clears the one the next slots launch adds into) carry nothing
+    between launches. Every call checked afterwards as test_dispatch_matches_reference."""
+    H, E, start, n_local = 256, 64, 16, 40
     x_all = torch.randn(3000, H, device=DEV).to(torch.bfloat16)
-    bad = torch.zeros((), device=DEV, dtype=torch.int64)
-    for i in range(300):
-        T, align = 1 + (i * 389) % 3000, (1, 16)[i % 2]
-        ids = rand_ids(T, E, k)
-        ex, off, slot = ops.dispatch_in_mode(x_all[:T], ids, expert_start=0, num_local_experts=E,
-                                             align=align, mode="prefill")
-        flat, s = ids.flatten().long(), slot.flatten().long()
-        counts = torch.bincount(flat, minlength=E)
-        ref_off = torch.cat([counts.new_zeros(1), ((counts + align - 1) // align * align).cumsum(0)])
-        n = flat.numel()
-        by_expert = torch.sort(flat).values
-        first = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[by_expert]
-        want = by_expert * n + torch.arange(n, device=DEV) - first  # (expert, rank) keys
-        got = torch.sort(flat * n + s - ref_off[flat]).values
-        t = torch.arange(T, device=DEV).repeat_interleave(k)
-        bad += ((off != ref_off).sum() + (got != want).sum()
-                + (ex[s].view(torch.int16) != x_all[t].view(torch.int16)).sum())
+    calls = [(1 + (i * 389) % 3000, (1, 16)[i % 2]) for i in range(300)]
+    ids_all = [rand_ids(T, E, 6) for T, _ in calls]
+    torch.cuda.synchronize()
+    outs = [ops.dispatch_in_mode(x_all[:T], ids, expert_start=start, num_local_experts=n_local,
+                                 align=align, mode="prefill")
+            for (T, align), ids in zip(calls, ids_all)]
     ops.check_errors()
-    assert bad.item() == 0
+    for (T, align), ids, out in zip(calls, ids_all, outs):
+        check_dispatch(x_all[:T], ids, out, expert_start=start, num_local_experts=n_local,
+                       align=align)
+
+
+def test_two_prefill_dispatches_in_one_cuda_graph(ops):
+    """Two prefill dispatches of the same experts in one graph (one workspace, two parity
+    flips per replay), replayed with new ids each time."""
+    H, E, k = 512, 40, 4
+    x = torch.randn(700, H, device=DEV).to(torch.bfloat16)
+    ids = [rand_ids(700, E, k), rand_ids(300, E, k)]
+    for i in ids:  # eager first: compiles, creates the workspace
+        ops.dispatch_in_mode(x[:i.shape[0]], i, expert_start=0, num_local_experts=E, mode="prefill")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in ids:
+            ops.dispatch_in_mode(x[:i.shape[0]], i, expert_start=0, num_local_experts=E,
+                                 mode="prefill")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            outs = [ops.dispatch_in_mode(x[:i.shape[0]], i, expert_start=0, num_local_experts=E,
+                                         align=8, mode="prefill") for i in ids]
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        for i in ids:
+            i.copy_(rand_ids(i.shape[0], E, k))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, o in zip(ids, outs):
+            check_dispatch(x[:i.shape[0]], i, o, expert_start=0, num_local_experts=E, align=8)
 
 
 def test_dispatch_and_combine_in_a_cuda_graph(ops):
