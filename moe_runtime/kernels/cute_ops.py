@@ -19,7 +19,8 @@ T * k * hidden * element_size against thresholds measured by benchmarks/local_di
 (`select_dispatch_mode`, `select_combine_mode`). Dispatch decode is one barrier-free launch in
 which every block derives the whole layout from the ids (kernels/dispatch_decode.py), so it
 also needs T * k <= DISPATCH_DECODE_MAX_ITEMS; its layout is deterministic (token-major inside
-each expert, as reference.dispatch). Prefill is a slots launch + a copy launch. Both dispatch
+each expert, as reference.dispatch). Prefill is a slots launch (ranks, per-expert totals) + a
+copy launch (offsets from the totals, rows; kernels/dispatch_slots.py). Both dispatch
 modes, the expert GEMV and combine use programmatic dependent launch (PDL): the decode
 dispatch and the prefill slots launch start while the router kernel finishes, the prefill
 copy loads its x rows and ids while the slots launch runs, the GEMVs and combine become
