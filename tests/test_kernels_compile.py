@@ -200,7 +200,8 @@ def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
     if kind == "dispatch_copy" and args and not re.search(r"\.minnctapersm\s+\d+", ptx):
         from moe_runtime.kernels import cute_compile as cc
         from moe_runtime.kernels.dispatch_copy import full_occupancy_blocks
-        if full_occupancy_blocks(cc.DISPATCH_COPY_WARPS, cc.DISPATCH_COPY_V, args[2]):
+        bits = 32 if args[0] == "float32" else 16
+        if full_occupancy_blocks(cc.DISPATCH_COPY_WARPS, cc.DISPATCH_COPY_V, args[2], bits):
             return "the copy launch lost its blocks-per-SM bound (.minnctapersm)"
     if kind in WAIT_FIRST + WRITE_AFTER_WAIT:
         first = re.search(GLOBAL_ACCESS if kind in WAIT_FIRST else GLOBAL_WRITE, ptx)
@@ -318,6 +319,7 @@ def test_ptx_checker_rejects_scalar_copies():
     assert _ptx_problems("dispatch_copy", ("bfloat16", 2048, 128, 8),
                          vector + "\n.minnctapersm 16") is None
     assert _ptx_problems("dispatch_copy", ("bfloat16", 2048, 384, 8), vector) is None
+    assert _ptx_problems("dispatch_copy", ("float32", 2048, 128, 8), vector) is None
     # the copy launch may load before its wait, but not write
     early = "st.global.b32 [%rd9], %r1;\n" + vector
     assert "write precedes" in _ptx_problems("dispatch_copy", (), early)

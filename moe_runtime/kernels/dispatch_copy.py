@@ -39,16 +39,17 @@ SM_THREADS = 2048  # resident threads per SM, compute capability 9.0 and 10.0 (C
 # per thread at full occupancy
 
 
-def full_occupancy_blocks(warps: int, v: int, num_experts: int) -> int:
-    """Blocks per SM the copy launch asks ptxas to fit (nvvm.minctasm): all of them while the
-    row fragment (4 * v registers) and the first warp's totals (one register per 32 experts)
-    leave room in 32 registers, else no bound (0). ptxas -v, sm_90a, v = 4: 32 registers and
-    no spill up to E = 128 with the bound; E = 256 spilled under it and takes 40 registers
-    without it, E = 384 48, E = 1024 64 (8 blocks per SM; not measured). Qwen3-30B-A3B at
-    T = 4096 (2048 blocks of 4 warps) is one wave at 16 blocks per SM and two at 12: without
-    the bound the offset scan took the kernel from 32 to 40 registers and cost 3.5 µs (H200).
-    DeepSeek-V3 (E = 256) runs many waves and measured the same at 40 registers."""
-    fits = 4 * v + 2 * ((num_experts + 31) // 32) <= 24
+def full_occupancy_blocks(warps: int, v: int, num_experts: int, element_bits: int) -> int:
+    """Blocks per SM the copy launch asks ptxas to fit (nvvm.minctasm): all of them for 16-bit
+    rows while the row fragment (4 * v registers) and the first warp's totals (one register per
+    32 experts) leave room in 32 registers, else no bound (0). ptxas -v, v = 4: 32 registers
+    and no spill up to E = 128 for 16-bit rows on sm_90a and sm_100a; fp32 rows spilled at
+    E = 128 on sm_100a (the compile test runs ptxas); E = 256 spilled under the bound and takes
+    40 registers without it, E = 384 48, E = 1024 64 (8 blocks per SM; not measured).
+    Qwen3-30B-A3B at T = 4096 (2048 blocks of 4 warps) is one wave at 16 blocks per SM and two
+    at 12: without the bound the offset scan took the kernel from 32 to 40 registers and cost
+    3.5 µs (H200). DeepSeek-V3 (E = 256) runs many waves and measured the same at 40."""
+    fits = element_bits == 16 and 4 * v + 2 * ((num_experts + 31) // 32) <= 24
     return SM_THREADS // (warps * 32) if fits else 0
 
 
@@ -111,5 +112,6 @@ def dispatch_copy(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor, mWs: c
     dispatch_copy_kernel(mX, mIds, mRank, mWs, mOut, mOffsets, mSlot, expert_start, align, H, E,
                          K, WARPS, V).launch(grid=(cute.ceil_div(mX.shape[0] * nseg, WARPS), 1, 1),
                                              block=(WARPS * 32, 1, 1), stream=stream, use_pdl=True,
-                                             min_blocks_per_mp=full_occupancy_blocks(WARPS, V, E),
+                                             min_blocks_per_mp=full_occupancy_blocks(
+                                                 WARPS, V, E, mX.element_type.width),
                                              preferred_smem_carveout=-1)  # (-1: CUDA's default)
