@@ -200,7 +200,7 @@ def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
     if kind == "dispatch_copy" and args and not re.search(r"\.minnctapersm\s+\d+", ptx):
         from moe_runtime.kernels import cute_compile as cc
         from moe_runtime.kernels.dispatch_copy import full_occupancy_blocks
-        bits = 32 if args[0] == "float32" else 16
+        bits = cc.DTYPES[args[0]].width
         if full_occupancy_blocks(cc.DISPATCH_COPY_WARPS, cc.DISPATCH_COPY_V, args[2], bits):
             return "the copy launch lost its blocks-per-SM bound (.minnctapersm)"
     if kind in WAIT_FIRST + WRITE_AFTER_WAIT:

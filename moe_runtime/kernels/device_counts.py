@@ -12,7 +12,6 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Int32
 
 
-
 @cute.jit
 def clear_shared(s: cute.Tensor, n: Constexpr[int], threads: Constexpr[int]):
     """s[0:n] = 0 by the whole block, then a block barrier."""
