@@ -2,8 +2,9 @@
 
 Decode calls an MoE layer with a handful of tokens; at that size the host cost of launching
 ~10 kernels (several µs of host time each) is larger than the GPU work. `BucketedGraphs`
-captures one CUDA graph per bucket size (1, 2, 4, ..., 256 tokens by default), pads each call's rows up to the
-smallest bucket that holds them, replays that bucket's graph and returns the first T rows.
+captures one CUDA graph per bucket size (1, 2, 4, ..., 256 tokens by default), pads each
+call's rows up to the smallest bucket that holds them, replays that bucket's graph and
+returns the first T rows.
 
 What the wrapped function must satisfy (MoELayer's forward does, on CUDA with the `cute` backend
 on sm_90/sm_100; see `MoELayer.host_sync_free`):

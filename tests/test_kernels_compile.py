@@ -7,8 +7,9 @@ combine (decode dispatch: the barrier-free kernel in each block shape of
 cute_compile.DISPATCH_DECODE_SHAPES), plus the routing kernel (softmax, and sigmoid + bias +
 groups; with and without counts; each ROUTE_WARPS block shape) for each (E, k), plus the
 grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at the Qwen3-30B-A3B,
-DeepSeek-V3 and Mixtral expert shapes and as the router's logits GEMV for the 16-bit dtypes. Compiles run in a process pool of min(2, CPUs) workers, one task per
-(arch, dtype) (about 4 minutes on 2 cores).
+DeepSeek-V3 and Mixtral expert shapes and as the router's logits GEMV for the 16-bit dtypes.
+Compiles run in a process pool of min(2, CPUs) workers, one task per (arch, dtype) (about 6
+minutes on 2 cores).
 
 Optional result cache: set MOE_RUNTIME_COMPILE_CACHE to a directory and a configuration that
 passed (compile + PTX checks) is not recompiled while the key is unchanged. The key hashes the
