@@ -10,11 +10,11 @@ graph-replayed torch copy_ and an elementwise kernel on 256 MiB and 1 GiB), the 
 targets: T >= 4096 -> >= 90% of copy bandwidth; T <= 128 -> <= 1.2 x (graph-replayed empty
 CuTeDSL kernel + the bytes at copy bandwidth). Measured references stand next to each target:
 torch kernels that move the same bytes with no layout work (`same_bytes_torch`: a gather, and a
-broadcast copy / batched GEMV with no gather); the bytes the op writes at torch fill_'s
-write-only rate (dispatch writes k bytes per byte it reads; our copy launch writes faster than
-fill_, so this is a reference, not a bound); for a prefill dispatch, its copy launch alone with
-the ranks and expert totals precomputed (what the slots launch costs on top); for every
-dispatch, a scatter: a kernel that stores each row to its slots, given, after one
+broadcast copy / batched GEMV with no gather); the bytes the op writes at the best write-only
+rate of the run (driver memset, cuMemsetD32Async, and torch fill_: sequential writes; dispatch
+writes k bytes per byte it reads, to k scattered rows); for a prefill dispatch, its copy launch
+alone with the ranks and expert totals precomputed (what the slots launch costs on top); for
+every dispatch, a scatter: a kernel that stores each row to its slots, given, after one
 dependent load of them (no layout work; a reference, not a bound: one launch shape).
 `--tune` times other launch shapes of the router, the decode dispatch, the prefill slots and
 copy launches and combine (the measurements behind cute_compile's launch-shape constants).
@@ -147,7 +147,9 @@ def eager_us(fn, reps=5) -> float:
 def copy_bandwidth() -> dict:
     """Bytes/s (read + write counted) of device copies of 256 MiB and 1 GiB: torch copy_
     (cudaMemcpy D2D) and an elementwise kernel (mul by 1); "best" of these is the baseline.
-    Also the write-only rate of fill_ (dispatch writes k bytes per byte it reads)."""
+    Also the write-only rates of torch fill_ and of the driver's memset (cuMemsetD32Async;
+    dispatch writes k bytes per byte it reads)."""
+    from cuda.bindings import driver  # (a dependency of nvidia-cutlass-dsl)
     res = {}
     for mib in (256, 1024):
         n = mib << 19  # bf16 elements
@@ -156,8 +158,11 @@ def copy_bandwidth() -> dict:
         res[f"copy_{mib}MiB"] = 4 * n / (graph_us(lambda: dst.copy_(src), reps=5) * 1e-6)
         res[f"mul1_{mib}MiB"] = 4 * n / (graph_us(lambda: torch.mul(src, 1, out=dst), reps=5) * 1e-6)
         res[f"fill_{mib}MiB"] = 2 * n / (graph_us(lambda: dst.fill_(1.0), reps=5) * 1e-6)
+        res[f"memset_{mib}MiB"] = 2 * n / (graph_us(lambda: driver.cuMemsetD32Async(
+            dst.data_ptr(), 0, n // 2, driver.CUstream(torch.cuda.current_stream().cuda_stream)),
+            reps=5) * 1e-6)
         del src, dst
-    res["best"] = max(v for k, v in res.items() if not k.startswith("fill"))
+    res["best"] = max(v for k, v in res.items() if k.startswith(("copy", "mul1")))
     return res
 
 
@@ -236,11 +241,11 @@ def copy_only_us(x, ids, E, k, warps=cute_compile.DISPATCH_COPY_WARPS,
     return graph_us(lambda: fn(x, ids, rank, ws, ex, offsets, slot, 0, 1))
 
 
-def measure(name, H, E, k, T, bw, empty, fill_bw):
+def measure(name, H, E, k, T, bw, empty, write_bw):
     """Table rows for dispatch and combine at T tokens. Next to the target: `gather_us` and
     `stream_us`, graph-replayed torch kernels moving the same bytes without any layout work
-    (same_bytes_torch); `write_floor_us`, the bytes the op writes at the fill_ rate (torch's
-    write-only kernel: a reference rate, not a bound; our copy launch writes faster); and for
+    (same_bytes_torch); `write_floor_us`, the bytes the op writes at the best sequential
+    write-only rate (memset / fill_: a reference for scattered rows, not a bound); and for
     a prefill dispatch `copy_only_us`, its copy launch alone with ranks and totals precomputed;
     for dispatch `scatter_us`, a scatter of the rows to their known slots (the stores after
     one dependent load, no layout work)."""
@@ -261,7 +266,7 @@ def measure(name, H, E, k, T, bw, empty, fill_bw):
         us = graph_us(fn)
         ref_us = eager_us(ref)
         gather_us, stream_us = graph_us(same[0]), graph_us(same[1])
-        write_floor_us = written / fill_bw * 1e6
+        write_floor_us = written / write_bw * 1e6
         floor_us = empty + nbytes / bw * 1e6
         if T >= 4096:
             target, met = ">=90% copy BW", nbytes / (us * 1e-6) >= 0.9 * bw
@@ -395,7 +400,7 @@ def main():
     dev = torch.cuda.get_device_properties(0)
     copies = copy_bandwidth()
     bw = copies["best"]
-    fill_bw = max(v for k, v in copies.items() if k.startswith("fill"))
+    write_bw = max(v for k, v in copies.items() if k.startswith(("fill", "memset")))
     empty = empty_kernel_us()
     print(f"{dev.name} ({dev.multi_processor_count} SMs): copy bandwidth (best) {bw / 1e12:.2f} TB/s "
           f"[{', '.join(f'{k} {v / 1e12:.2f}' for k, v in copies.items() if k != 'best')}], "
@@ -403,7 +408,7 @@ def main():
     rows, sweeps, cross, tuned = [], {}, {}, []
     for name, (H, E, k) in shapes.items():
         for T in tokens:
-            rows += measure(name, H, E, k, T, bw, empty, fill_bw)
+            rows += measure(name, H, E, k, T, bw, empty, write_bw)
         if not args.no_sweep:
             sweeps[name], cross[name] = sweep(name, H, E, k, sweep_tokens)
         if args.tune:
@@ -434,12 +439,12 @@ def main():
         print(f"  best single threshold: dispatch {switch['dispatch']} B, combine {switch['combine']} B "
               f"(in code now: {cute_ops.DISPATCH_DECODE_MAX_BYTES}, {cute_ops.COMBINE_DECODE_MAX_BYTES})")
     print("gather / stream: torch kernels moving the same bytes with no layout work (an "
-          "index_select; a broadcast copy or batched GEMV without gather); wr@fill: the bytes "
-          "written at torch fill_'s rate (a reference, not a bound); copy: the prefill "
+          "index_select; a broadcast copy or batched GEMV without gather); wr: the bytes "
+          "written at the best sequential write-only rate, memset or fill_ (a reference); copy: the prefill "
           "dispatch's copy launch alone, ranks and totals precomputed; scatter: a kernel storing "
           "each row to its known slots after one dependent load (no layout work)")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
-          f"{'copy':>8s} {'scatter':>8s} {'gather':>8s} {'stream':>8s} {'wr@fill':>8s} "
+          f"{'copy':>8s} {'scatter':>8s} {'gather':>8s} {'stream':>8s} {'wr':>8s} "
           f"{'ref us':>9s} "
           f"{'speedup':>7s} {'target':>15s} met")
     for r in rows:

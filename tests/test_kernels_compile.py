@@ -3,7 +3,7 @@ and the PTX holds the instructions the design relies on.
 
 Grid (issue 4): dtype {bf16, fp16, fp32} x hidden {128, 576, 2048, 2880, 4096, 7168} x
 (E, k) {(8,2), (64,6), (128,8), (256,8), (384,8)} x mode {decode, prefill} for dispatch and
-combine (decode dispatch: the barrier-free kernel in each block shape of
+combine (combine also in its one-warp decode shape for k >= 4; decode dispatch: the barrier-free kernel in each block shape of
 cute_compile.DISPATCH_DECODE_SHAPES), plus the routing kernel (softmax, and sigmoid + bias +
 groups; with and without counts; each ROUTE_WARPS block shape) for each (E, k), plus the
 grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at the Qwen3-30B-A3B,
@@ -94,6 +94,9 @@ def _route_specs():
 # the launch-shape tables of cute_compile, copied here (no cutlass import at module level)
 DECODE_SHAPES = ((2, 64), (4, 128), (8, 256), (8, 512), (8, 1024), (8, 2048))
 ROUTE_WARPS = {"decode": 4, "prefill": 16}
+# combine (warps, V) by mode; "narrow": decode of few units at top_k >= COMBINE_NARROW_MIN_K
+COMBINE_SHAPES = {"decode": (4, 1), "prefill": (8, 1), "narrow": (1, 1)}
+COMBINE_NARROW_MIN_K = 4
 DECODE_MAX_E = 1024  # cute_ops.MAX_EXPERTS: the decode dispatch keeps [warps, E] counts in smem
 
 # (H, I, E) of the expert GEMV: Qwen3-30B-A3B, DeepSeek-V3, Mixtral, and an odd small shape
@@ -111,7 +114,7 @@ def specs_for(arch: str, dtype: str) -> list[tuple]:
             out += [("dispatch_decode", (dtype, H, E, k, w, c)) for w, c in DECODE_SHAPES]
             out.append(("dispatch_copy", (dtype, H, E, k)))
         for k in sorted({k for _, k in EK}):
-            for mode in MODES:
+            for mode in MODES + (("narrow",) if k >= COMBINE_NARROW_MIN_K else ()):
                 out.append(("combine", (dtype, H, k, mode)))
     if dtype != "float32":
         for H, I, E in GEMV_SHAPES:
@@ -143,7 +146,7 @@ def _compile_task(arch: str, dtype: str, key: str, cached: list) -> list[tuple]:
 
     getters = {"dispatch_decode": cc.dispatch_decode_fn, "dispatch_slots": cc.dispatch_slots_fn,
                "dispatch_copy": cc.dispatch_copy_fn,
-               "combine": lambda d, h, k, mode, arch: cc.combine_fn(d, h, k, *cc.combine_shape(mode),
+               "combine": lambda d, h, k, mode, arch: cc.combine_fn(d, h, k, *COMBINE_SHAPES[mode],
                                                                     arch=arch),
                "route": cc.route_fn, "route_nocounts": cc.route_fn,
                "barrier_probe": cc.barrier_probe_fn,
@@ -291,7 +294,9 @@ def test_spec_grid_covers_the_issue_grid():
     n = len(ARCHS) * len(DTYPES) * len(HIDDEN) * len(EK)
     # every block shape, + the E = 1024 decode configs
     assert len(dec) == (n + len(ARCHS)) * len(DECODE_SHAPES) and len(cpy) == n
-    assert len(comb) == len(ARCHS) * len(DTYPES) * len(HIDDEN) * 3 * len(MODES)
+    ks = {k for _, k in EK}
+    assert len(comb) == len(ARCHS) * len(DTYPES) * len(HIDDEN) * (
+        len(ks) * len(MODES) + len([k for k in ks if k >= COMBINE_NARROW_MIN_K]))
     routes = [g for k, g in specs_for("sm_90a", "bfloat16") if k.startswith("route")]
     assert {(g[1], g[2], g[3], g[8], g[9]) for g in routes} == {
         (E, k, s, c, w) for E, k in EK for s in (False, True) for c in (False, True)
@@ -303,6 +308,13 @@ def test_spec_grid_covers_the_issue_grid():
     with pytest.raises(ValueError, match="whole 32-item chunks"):
         cc.dispatch_decode_fn("bfloat16", 2048, 128, 8, 8, 100, arch="sm_90a")
     assert ROUTE_WARPS == cc.ROUTE_WARPS
+    assert COMBINE_NARROW_MIN_K == cc.COMBINE_NARROW_MIN_K
+    assert {m: cc.combine_shape(m) for m in MODES} == {m: COMBINE_SHAPES[m] for m in MODES}
+    few = cc.COMBINE_NARROW_UNITS_PER_SM * 132  # units on an H200
+    assert cc.combine_shape("decode", few, COMBINE_NARROW_MIN_K, 132) == COMBINE_SHAPES["narrow"]
+    assert cc.combine_shape("decode", few + 1, 8, 132) == COMBINE_SHAPES["decode"]
+    assert cc.combine_shape("decode", 1, COMBINE_NARROW_MIN_K - 1, 132) == COMBINE_SHAPES["decode"]
+    assert cc.combine_shape("prefill", 1, 8, 132) == COMBINE_SHAPES["prefill"]
 
 
 def test_ptx_checker_rejects_scalar_copies():

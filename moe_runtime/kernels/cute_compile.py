@@ -14,7 +14,7 @@ Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row se
                       grid <= a few blocks per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
-    combine           combine_shape(mode)
+    combine           combine_shape(mode, units, top_k, sms)
 The copy and combine getters also take (warps, v) so benchmarks/local_dispatch_combine.py
 --tune can time other launch shapes. On the H200 the prefill copy was within 2% for every
 (4 | 8 warps) x (V 2 | 4 | 8) (it runs at the HBM write rate: it writes k bytes per byte
@@ -77,16 +77,27 @@ DISPATCH_SLOTS_WARPS = 16
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
 COMBINE_WARPS = {"decode": 4, "prefill": 8}
+COMBINE_NARROW_MIN_K = 4
+COMBINE_NARROW_UNITS_PER_SM = 2
 
 # the source files whose text decides the generated code (tests hash them for their cache)
 KERNEL_MODULES = (_gb, _combine, _dcopy, _ddec, _dslots, _gemv, _route)
 
 
-def combine_shape(mode: str) -> tuple[int, int]:
-    """(warps per block, V) of combine. V = 1 in both modes: with all top_k gathers of a segment
-    in flight, V = 1 measured best at every size on the H200 (`--tune`: 0.94-1.02 of copy
-    bandwidth at T >= 4096 vs 0.86-1.01 for V = 2, 4); decode uses 4 warps per block so a few
-    tokens still spread over many SMs, prefill 8."""
+def combine_shape(mode: str, units: int = 0, top_k: int = 0, sms: int = 0) -> tuple[int, int]:
+    """(warps per block, V) of combine for `units` = T * row segments (512-byte segments at
+    V = 1), top_k picks per token and `sms` SMs. V = 1 in both modes: with all top_k gathers of
+    a segment in flight, V = 1 measured best at every size on the H200 (`--tune`: 0.94-1.02 of
+    copy bandwidth at T >= 4096 vs 0.86-1.01 for V = 2, 4). Decode uses 4 warps per block so a
+    few tokens still spread over many SMs, and ONE warp per block while the units fit in
+    COMBINE_NARROW_UNITS_PER_SM per SM and top_k >= COMBINE_NARROW_MIN_K: each SM then
+    gathers the top_k rows of one warp instead of four. H200 (graph replay, µs, one warp
+    against four): Qwen3-30B-A3B T = 1 / 8 1.27 / 1.34 against 1.54 / 1.60, DeepSeek-V3 1.38 /
+    1.45 against 1.59 / 1.66; Mixtral (k = 2) 1.12 / 1.23 against 1.07 / 1.17; at T = 64 four
+    warps win (Qwen3 1.75 against 1.84, DeepSeek-V3 2.40 against 2.65). Prefill uses 8."""
+    if (mode == "decode" and top_k >= COMBINE_NARROW_MIN_K
+            and 0 < units <= COMBINE_NARROW_UNITS_PER_SM * sms):
+        return 1, 1
     return COMBINE_WARPS[mode], 1
 
 

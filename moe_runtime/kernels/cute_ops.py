@@ -366,7 +366,9 @@ def _combine(expert_y, token_slot, topk_weights, mode: str) -> torch.Tensor:
         return torch.zeros(T, H, dtype=expert_y.dtype, device=expert_y.device)
     y = torch.empty(T, H, dtype=expert_y.dtype, device=expert_y.device)
     if T:
-        fn = cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k, *cc.combine_shape(mode))
+        units = T * -(-H * expert_y.element_size() // 512)  # 512-byte row segments
+        fn = cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k,
+                           *cc.combine_shape(mode, units, k, _sm_count(expert_y.device.index)))
         fn(expert_y, token_slot, topk_weights, y)
     return y
 

@@ -417,6 +417,22 @@ def test_combine_matches_float64(ops, mode, dtype, H, k, T):
         assert (y.float() - ref.float()).abs().max().item() <= 1e-2 * ref.float().abs().max().item()
 
 
+def test_combine_decode_both_block_shapes(ops):
+    """Decode combine at the last T of its one-warp blocks and the first T of its four-warp
+    blocks (cute_compile.combine_shape), against float64."""
+    from moe_runtime.kernels import cute_compile as cc
+    H, k = 2048, 8  # bf16: 8 segments of 512 bytes per row
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    last = cc.COMBINE_NARROW_UNITS_PER_SM * sms // 8
+    for T, warps in ((last, 1), (last + 1, cc.COMBINE_WARPS["decode"])):
+        assert cc.combine_shape("decode", T * 8, k, sms)[0] == warps
+        expert_y = torch.randn(T * k, H, device=DEV).to(torch.bfloat16)
+        slot = torch.randperm(T * k, device=DEV).view(T, k).to(torch.int32)
+        w = torch.rand(T, k, device=DEV)
+        check_combine(ops.combine_in_mode(expert_y, slot, w, mode="decode"), expert_y, slot, w,
+                      1e-2)
+
+
 def test_combine_ignores_nan_rows_of_unused_slots(ops):
     """-1 picks must not read anything: a NaN row 0 (e.g. padding) cannot leak into y."""
     expert_y = torch.randn(16, 1024, device=DEV).to(torch.bfloat16)
