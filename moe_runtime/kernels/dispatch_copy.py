@@ -21,8 +21,8 @@ few lines, all released by the same wait), and strong (L1-bypassing) loads of th
 a three-barrier block scan cost 5-6 µs; one warp per block with plain loads and one barrier
 is what is left. The stores run at the DRAM rate of k scattered row writes: a kernel that only
 stores rows to given slots took the same time within 1-3% (Qwen3-30B-A3B T = 16384, DeepSeek-V3
-T = 4096), and TMA bulk stores
-(cp.async.bulk from shared memory) of its segments gained 0.5-1.7% there (not adopted).
+T = 4096), and TMA bulk stores (cp.async.bulk from shared memory) of its segments gained
+0.5-1.7% there (not adopted).
 Shared memory: E + 1 offsets.
 """
 from __future__ import annotations
