@@ -222,7 +222,7 @@ def same_bytes_torch(x, ex, slot, w):
 
 def prefill_ranks(ids, E, k):
     """(rank, workspace) of `ids` from the prefill slots launch, ready for copy launches alone
-    (each reads the totals of the set the slots launch used and clears only the other one)."""
+    (each adds the two sets of totals, one of them zero, and clears nothing)."""
     rank = torch.empty_like(ids)
     ws = torch.zeros(dispatch_slots.workspace_words(E), dtype=torch.int32, device="cuda")
     cute_compile.dispatch_slots_fn(E, k)(ids, rank, ws, 0)

@@ -69,13 +69,12 @@ def block_exclusive_scan(val: Int32, s_warp: cute.Tensor, warps: Constexpr[int])
 
 
 @cute.jit
-def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], use: Int32, align: Int32,
-                       lane: Int32, E: Constexpr[int]) -> list:
+def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], align: Int32, lane: Int32,
+                       E: Constexpr[int]) -> list:
     """Warp-wide: [pad_i] for i < ceil(E / 32), pad_i = ceil(c / align) * align of expert
-    e = 32 * i + lane (0 for e >= E), where c is set `use` (0 or 1) of the two sets of E totals
-    in ws[at : at + E] and ws[at + E : at + 2E]. The compiler turns the choice of set into the
-    load's address, so the totals wait for `use` (two dependent round trips) and hold one
-    register per 32 experts. Plain (L1-cached) loads: every warp of a grid may read the same
+    e = 32 * i + lane (0 for e >= E), where c is the sum of the two sets of E totals in
+    ws[at : at + E] and ws[at + E : at + 2E] (one of them zero: dispatch_slots.py), so the
+    loads wait for nothing but the caller's ordering. Plain (L1-cached) loads: every warp of a grid may read the same
     words, and strong loads, which all go to the one L2 slice holding them, made the prefill
     copy launch 20-30% slower on the H200; the caller must order the loads after the writers'
     completion (a kernel boundary or griddepcontrol.wait)."""
@@ -85,9 +84,7 @@ def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], use: Int32, align: I
         idx = e
         if cutlass.const_expr(32 * (i + 1) > E):
             idx = cutlass.min(e, E - 1)  # in bounds, no branch around the loads
-        c0 = ws[at + idx]
-        c1 = ws[at + E + idx]
-        c = c1 if use != 0 else c0
+        c = ws[at + idx] + ws[at + E + idx]
         pad = (c + align - 1) // align * align
         if cutlass.const_expr(32 * (i + 1) > E):
             pad = pad if e < E else Int32(0)

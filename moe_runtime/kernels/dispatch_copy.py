@@ -8,13 +8,12 @@ launch of launch 1 (dispatch_slots.py), it does so, and lanes j < K load the exp
 (t, j), while launch 1 still runs: x and ids were written before launch 1's predecessor
 completed, which every block of launch 1 observed in its own wait before it let this launch
 start. Then it waits for launch 1 (griddepcontrol.wait); lanes j < K load rank[t, j] while the
-block's first warp loads the word naming the workspace set launch 1 used, then that set's
-expert totals (lane l holds experts l, l + 32, ...), and scans them by shuffles into the
-expert offsets in shared memory; after one block barrier, lane j < K forms
+block's first warp loads the expert totals (the sum of the workspace's two sets, one of them
+zero; lane l holds experts l, l + 32, ...) and scans them by shuffles into the expert offsets
+in shared memory; after one block barrier, lane j < K forms
 slot = offset[e] + rank, the K slots are broadcast by shuffles, and the warp stores the
 segment to each of its local slots. Segment 0's warp writes token_slot; block 0 also writes
-expert_offsets [E+1], clears the other workspace set and flips ws[0] for the next launch 1
-(see dispatch_slots.py). Every global store comes after the wait.
+expert_offsets [E+1] and flips ws[0] for the next launch 1 (see dispatch_slots.py). Every global store comes after the wait.
 Measured on the H200 (benchmarks/local_dispatch_combine.py, T = 4096): every warp loading and
 scanning the totals itself cost Qwen3-30B-A3B 4.4 µs (a grid-wide burst of loads of the same
 few lines, all released by the same wait), and strong (L1-bypassing) loads of the totals or
@@ -82,15 +81,10 @@ def dispatch_copy_kernel(mX: cute.Tensor, mIds: cute.Tensor, mRank: cute.Tensor,
     if local:
         rank = mRank[t, lane]
     if warp == 0:  # the block's offsets, from launch 1's totals
-        used = mWs[1]
-        pads = warp_padded_totals(mWs, COUNTS_AT, used, align, lane, E)
+        pads = warp_padded_totals(mWs, COUNTS_AT, align, lane, E)
         warp_exclusive_offsets(pads, lane, s_off, E, mOffsets, bidx == 0)
-        if bidx == 0:  # the next launch 1 adds into the other set: clear it, point ws[0] at it
-            for i in cutlass.range_constexpr((E + 31) // 32):
-                if lane + 32 * i < E:
-                    mWs[COUNTS_AT + (1 - used) * E + lane + 32 * i] = 0
-            if lane == 0:
-                mWs[0] = 1 - used
+        if bidx == 0 and lane == 0:  # the next launch 1 adds into the other set
+            mWs[0] = 1 - mWs[0]
     cute.arch.sync_threads()
     if t < mX.shape[0]:
         slot = Int32(-1)

@@ -12,15 +12,15 @@ The offsets are NOT made here: launch 2 (dispatch_copy.py) scans the totals in e
 so no block of this launch waits for the others (no last-block step on the critical path).
 
 Workspace int32 [workspace_words(E)], zero at first use, two sets of E totals:
-  ws[0]  the set p the next slots launch adds into (flipped by launch 2's block 0)
-  ws[1]  the set this launch used (written by block 0; launch 2 reads it)
-  ws[4 + p * E : 4 + (p + 1) * E]  the totals of set p
-Every slots launch must be followed by its launch 2 before the next slots launch
-(cute_ops._dispatch zeroes the workspace if launch 2 fails to start).
-Launch 2's block 0 clears the other set, which the next slots launch then uses: the totals
-of this launch stay intact until every block of launch 2 has read them, with no grid-wide
-sync (the next slots launch runs after launch 2 is complete). Graph replays keep this valid:
-the parity lives on the device.
+  ws[0]  the set p this slots launch adds into (flipped by launch 2's block 0)
+  ws[COUNTS_AT + p * E : COUNTS_AT + (p + 1) * E]  the totals of set p
+Block 0 clears the other set (the previous dispatch's totals: its launch 2 is complete), so
+when launch 2 runs one set holds this launch's totals and the other is zero: launch 2 adds
+the two and never waits for the parity (a dependent round trip before its offset scan). The
+totals stay intact until every block of launch 2 has read them, with no grid-wide sync (the
+next slots launch runs after launch 2 is complete). Every slots launch must be followed by
+its launch 2 before the next slots launch (cute_ops._dispatch zeroes the workspace if launch
+2 fails to start). Graph replays keep this valid: the parity lives on the device.
 
 A programmatic dependent launch (PDL) itself: its blocks become resident while the previous
 launch (the router) ends and wait for it (griddepcontrol.wait) before any global access;
@@ -78,8 +78,11 @@ def dispatch_slots_kernel(mIds: cute.Tensor, mRank: cute.Tensor, mWs: cute.Tenso
         if r >= 0:
             rank = r + s_base[e]
         mRank[item // K, item % K] = rank
-    if bidx == 0 and tidx == 0:
-        mWs[1] = p
+    if bidx == 0:  # the previous dispatch's totals (its launch 2 is complete)
+        for i in cutlass.range_constexpr((E + THREADS - 1) // THREADS):
+            c = tidx + i * THREADS
+            if c < E:
+                mWs[COUNTS_AT + (1 - p) * E + c] = 0
 
 
 @cute.jit
