@@ -149,7 +149,6 @@ def copy_bandwidth() -> dict:
     (cudaMemcpy D2D) and an elementwise kernel (mul by 1); "best" of these is the baseline.
     Also the write-only rates of torch fill_ and of the driver's memset (cuMemsetD32Async;
     dispatch writes k bytes per byte it reads)."""
-    from cuda.bindings import driver  # (a dependency of nvidia-cutlass-dsl)
     res = {}
     for mib in (256, 1024):
         n = mib << 19  # bf16 elements
@@ -158,12 +157,19 @@ def copy_bandwidth() -> dict:
         res[f"copy_{mib}MiB"] = 4 * n / (graph_us(lambda: dst.copy_(src), reps=5) * 1e-6)
         res[f"mul1_{mib}MiB"] = 4 * n / (graph_us(lambda: torch.mul(src, 1, out=dst), reps=5) * 1e-6)
         res[f"fill_{mib}MiB"] = 2 * n / (graph_us(lambda: dst.fill_(1.0), reps=5) * 1e-6)
-        res[f"memset_{mib}MiB"] = 2 * n / (graph_us(lambda: driver.cuMemsetD32Async(
-            dst.data_ptr(), 0, n // 2, driver.CUstream(torch.cuda.current_stream().cuda_stream)),
-            reps=5) * 1e-6)
+        res[f"memset_{mib}MiB"] = 2 * n / (graph_us(lambda: _memset(dst), reps=5) * 1e-6)
         del src, dst
     res["best"] = max(v for k, v in res.items() if k.startswith(("copy", "mul1")))
     return res
+
+
+def _memset(t: torch.Tensor) -> None:
+    """Zero t (a multiple of 4 bytes) with the driver's memset on the current stream."""
+    from cuda.bindings import driver  # (a dependency of nvidia-cutlass-dsl)
+    err, = driver.cuMemsetD32Async(t.data_ptr(), 0, t.numel() * t.element_size() // 4,
+                                   driver.CUstream(torch.cuda.current_stream().cuda_stream))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD32Async failed: {err}")
 
 
 def empty_kernel_us() -> float:
@@ -440,9 +446,10 @@ def main():
               f"(in code now: {cute_ops.DISPATCH_DECODE_MAX_BYTES}, {cute_ops.COMBINE_DECODE_MAX_BYTES})")
     print("gather / stream: torch kernels moving the same bytes with no layout work (an "
           "index_select; a broadcast copy or batched GEMV without gather); wr: the bytes "
-          "written at the best sequential write-only rate, memset or fill_ (a reference); copy: the prefill "
-          "dispatch's copy launch alone, ranks and totals precomputed; scatter: a kernel storing "
-          "each row to its known slots after one dependent load (no layout work)")
+          "written at the best sequential write-only rate, memset or fill_ (a reference); "
+          "copy: the prefill dispatch's copy launch alone, ranks and totals precomputed; "
+          "scatter: a kernel storing each row to its known slots after one dependent load "
+          "(no layout work)")
     print(f"{'shape':14s} {'T':>6s} {'op':8s} {'mode':7s} {'us':>9s} {'TB/s':>6s} {'/copy':>6s} "
           f"{'copy':>8s} {'scatter':>8s} {'gather':>8s} {'stream':>8s} {'wr':>8s} "
           f"{'ref us':>9s} "

@@ -1,15 +1,15 @@
 """Every CuTeDSL kernel configuration compiles for sm_90a and sm_100a (CPU only, fake tensors),
 and the PTX holds the instructions the design relies on.
 
-Grid (issue 4): dtype {bf16, fp16, fp32} x hidden {128, 576, 2048, 2880, 4096, 7168} x
-(E, k) {(8,2), (64,6), (128,8), (256,8), (384,8)} x mode {decode, prefill} for dispatch and
-combine (combine also in its one-warp decode shape for k >= 4; decode dispatch: the barrier-free kernel in each block shape of
-cute_compile.DISPATCH_DECODE_SHAPES), plus the routing kernel (softmax, and sigmoid + bias +
-groups; with and without counts; each ROUTE_WARPS block shape) for each (E, k), plus the
-grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at the Qwen3-30B-A3B,
-DeepSeek-V3 and Mixtral expert shapes and as the router's logits GEMV for the 16-bit dtypes.
-Compiles run in a process pool of min(2, CPUs) workers, one task per (arch, dtype) (about 6
-minutes on 2 cores).
+Grid (issue 4): dtype {bf16, fp16, fp32} x hidden {128, 576, 2048, 2880, 4096, 7168} x (E, k)
+{(8,2), (64,6), (128,8), (256,8), (384,8)} x mode {decode, prefill} for dispatch and combine
+(combine also in its one-warp decode shape for k >= 4; decode dispatch: the barrier-free kernel
+in each block shape of cute_compile.DISPATCH_DECODE_SHAPES), plus the routing kernel (softmax,
+and sigmoid + bias + groups; with and without counts; each ROUTE_WARPS block shape) for each
+(E, k), plus the grid-barrier probe, plus the decode expert GEMV (gate_up + SwiGLU and down) at
+the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral expert shapes and as the router's logits GEMV for the
+16-bit dtypes. Compiles run in a process pool of min(2, CPUs) workers, one task per
+(arch, dtype) (about 6-7 minutes on 2 cores).
 
 Optional result cache: set MOE_RUNTIME_COMPILE_CACHE to a directory and a configuration that
 passed (compile + PTX checks) is not recompiled while the key is unchanged. The key hashes the

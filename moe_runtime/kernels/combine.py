@@ -1,8 +1,8 @@
 """Combine: y[t] = sum_j w[t, j] * expert_y[slot[t, j]] (slot -1: no contribution).
 
 Specialization (constexpr): dtype, H hidden, K top-k, WARPS per block, V vectors per lane per
-segment (the mode: decode uses small segments so a few tokens still spread over many SMs,
-prefill larger ones). Dynamic: T tokens, N expert rows.
+segment (cute_compile.combine_shape: V = 1 in every mode; decode uses blocks of 4 warps, or of
+1 warp for a few tokens, prefill of 8). Dynamic: T tokens, N expert rows.
 One warp per (token, row segment), grid = ceil(T * NSEG / WARPS). Lanes j < K load slot and
 weight of pick j and the warp broadcasts them by shuffles; the K gathered segments are all
 loaded (128-bit, no branch around them) before any arithmetic, accumulated in fp32 registers

@@ -94,7 +94,8 @@ def combine_shape(mode: str, units: int = 0, top_k: int = 0, sms: int = 0) -> tu
     gathers the top_k rows of one warp instead of four. H200 (graph replay, µs, one warp
     against four): Qwen3-30B-A3B T = 1 / 8 1.27 / 1.34 against 1.54 / 1.60, DeepSeek-V3 1.38 /
     1.45 against 1.59 / 1.66; Mixtral (k = 2) 1.12 / 1.23 against 1.07 / 1.17; at T = 64 four
-    warps win (Qwen3 1.75 against 1.84, DeepSeek-V3 2.40 against 2.65). Prefill uses 8."""
+    warps win (Qwen3 1.75 against 1.84, DeepSeek-V3 2.40 against 2.65). The bound (Qwen3 T <= 33,
+    DeepSeek-V3 T <= 18 on 132 SMs) lies between those measured points. Prefill uses 8."""
     if (mode == "decode" and top_k >= COMBINE_NARROW_MIN_K
             and 0 < units <= COMBINE_NARROW_UNITS_PER_SM * sms):
         return 1, 1

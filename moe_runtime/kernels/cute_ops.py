@@ -293,7 +293,8 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
             DISPATCH_DECODE_BLOCKS_PER_SM * _sm_count(dev.index))
     else:
         # both compiled before either runs: the slots launch leaves expert totals in the
-        # workspace that only the copy launch consumes and clears (dispatch_slots.py)
+        # workspace that only the copy launch consumes (the next slots launch clears them;
+        # dispatch_slots.py)
         slots, copy = cc.dispatch_slots_fn(E, k), cc.dispatch_copy_fn(dtype, H, E, k)
         rank = torch.empty(T, k, dtype=torch.int32, device=dev)
         ws = workspace(dev, "dispatch_slots", _dslots.workspace_words(E))

@@ -9,11 +9,12 @@ launch of launch 1 (dispatch_slots.py), it does so, and lanes j < K load the exp
 completed, which every block of launch 1 observed in its own wait before it let this launch
 start. Then it waits for launch 1 (griddepcontrol.wait); lanes j < K load rank[t, j] while the
 block's first warp loads the expert totals (the sum of the workspace's two sets, one of them
-zero; lane l holds experts l, l + 32, ...) and scans them by shuffles into the expert offsets
-in shared memory; after one block barrier, lane j < K forms
-slot = offset[e] + rank, the K slots are broadcast by shuffles, and the warp stores the
-segment to each of its local slots. Segment 0's warp writes token_slot; block 0 also writes
-expert_offsets [E+1] and flips ws[0] for the next launch 1 (see dispatch_slots.py). Every global store comes after the wait.
+zero; each lane loads ceil(E / 32) consecutive experts) and scans them into the expert
+offsets in shared memory (one shuffle scan of the lanes' sums); after one block barrier,
+lane j < K forms slot = offset[e] + rank, the K slots are broadcast by shuffles, and the warp
+stores the segment to each of its local slots. Segment 0's warp writes token_slot; block 0
+also writes expert_offsets [E+1] and flips ws[0] for the next launch 1 (see
+dispatch_slots.py). Every global store comes after the wait.
 Measured on the H200 (benchmarks/local_dispatch_combine.py, T = 4096): every warp loading and
 scanning the totals itself cost Qwen3-30B-A3B 4.4 µs (a grid-wide burst of loads of the same
 few lines, all released by the same wait), and strong (L1-bypassing) loads of the totals or

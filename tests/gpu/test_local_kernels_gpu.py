@@ -234,8 +234,9 @@ def test_dispatch_prefill_300_calls(ops):
     """300 prefill dispatches back to back, nothing launched between them (each copy launch
     is followed at once by the next slots launch), T = 1..3000, alignments 1 and 16, 40 local
     experts of 64 (expert_start 16: some picks not local): the expert totals' two workspace
-    sets (each copy launch clears the one the next slots launch adds into) carry nothing
-    between launches. Every call checked afterwards as test_dispatch_matches_reference."""
+    sets (each slots launch clears the set the previous dispatch used; the copy launch adds
+    both) carry nothing between launches. Every call checked afterwards as
+    test_dispatch_matches_reference."""
     H, E, start, n_local = 256, 64, 16, 40
     x_all = torch.randn(3000, H, device=DEV).to(torch.bfloat16)
     calls = [(1 + (i * 389) % 3000, (1, 16)[i % 2]) for i in range(300)]
@@ -417,20 +418,24 @@ def test_combine_matches_float64(ops, mode, dtype, H, k, T):
         assert (y.float() - ref.float()).abs().max().item() <= 1e-2 * ref.float().abs().max().item()
 
 
-def test_combine_decode_both_block_shapes(ops):
+def test_combine_decode_both_block_shapes(ops, monkeypatch):
     """Decode combine at the last T of its one-warp blocks and the first T of its four-warp
-    blocks (cute_compile.combine_shape), against float64."""
+    blocks (cute_compile.combine_shape): the launch takes that shape and matches float64."""
     from moe_runtime.kernels import cute_compile as cc
     H, k = 2048, 8  # bf16: 8 segments of 512 bytes per row
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     last = cc.COMBINE_NARROW_UNITS_PER_SM * sms // 8
+    launched = []
+    compiled = cc.combine_fn
+    monkeypatch.setattr(cc, "combine_fn",
+                        lambda *a, **kw: launched.append(a[3]) or compiled(*a, **kw))
     for T, warps in ((last, 1), (last + 1, cc.COMBINE_WARPS["decode"])):
-        assert cc.combine_shape("decode", T * 8, k, sms)[0] == warps
         expert_y = torch.randn(T * k, H, device=DEV).to(torch.bfloat16)
         slot = torch.randperm(T * k, device=DEV).view(T, k).to(torch.int32)
         w = torch.rand(T, k, device=DEV)
         check_combine(ops.combine_in_mode(expert_y, slot, w, mode="decode"), expert_y, slot, w,
                       1e-2)
+        assert launched[-1] == warps, (T, launched)
 
 
 def test_combine_ignores_nan_rows_of_unused_slots(ops):
