@@ -28,7 +28,7 @@ from moe_runtime.kernels import cute_ops
 from moe_runtime.routing import ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from local_dispatch_combine import copy_bandwidth, graph_us  # noqa: E402
+from local_dispatch_combine import copy_bandwidth, graph_us, require_cuda  # noqa: E402
 
 SHAPES = {  # name: (H, I, E, k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -94,6 +94,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/expert_gemv.json")
     args = ap.parse_args(argv)
+    require_cuda()
     bw = copy_bandwidth()["best"]
     rows = [measure(name, T, bw) for name in SHAPES for T in TOKENS]
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, "

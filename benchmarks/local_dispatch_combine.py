@@ -107,6 +107,12 @@ def scatter_us(x, slot, out) -> float:
     return graph_us(lambda: fn(x, slot, out))
 
 
+def require_cuda() -> None:
+    """Exit with one line where no CUDA GPU is visible (every benchmark here times kernels)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (the benchmarks time CUDA kernels)")
+
+
 def graph_us(fn, reps=REPS) -> float:
     """µs per call of fn, from replaying `reps` calls captured in one CUDA graph."""
     s = torch.cuda.Stream()
@@ -399,6 +405,7 @@ def main():
     ap.add_argument("--sweep-tokens", default=",".join(map(str, SWEEP)),
                     help="T of the decode/prefill sweep")
     args = ap.parse_args()
+    require_cuda()
     shapes = {n: SHAPES[n] for n in args.shapes.split(",")}
     tokens = [int(t) for t in args.tokens.split(",")]
     sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]

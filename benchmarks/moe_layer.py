@@ -48,7 +48,8 @@ from moe_runtime import MoELayer, swap_moe_layers
 from moe_runtime.kernels.grouped_gemm import tile_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from local_dispatch_combine import copy_bandwidth, graph_us  # noqa: E402  (same floor as the kernel bench)
+# the same copy-bandwidth floor as the kernel benchmark
+from local_dispatch_combine import copy_bandwidth, graph_us, require_cuda  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_TOKENS = (1, 8, 256, 4096)
@@ -264,6 +265,7 @@ def main(argv=None) -> None:
     ap.add_argument("--stages", action="store_true", help="also profile the layer's kernels")
     ap.add_argument("--out", default="bench_out/moe_layer.json")
     a = ap.parse_args(argv)
+    require_cuda()
     shapes = a.shapes.split(",") if a.shapes else (QUICK_SHAPES if a.quick else tuple(SHAPES))
     tokens = tuple(int(t) for t in a.tokens.split(",")) if a.tokens else (QUICK_TOKENS if a.quick else TOKENS)
     unknown = set(shapes) - set(SHAPES)
