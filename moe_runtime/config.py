@@ -36,7 +36,8 @@ class MoEConfig:
         shared_expert_gate: Qwen2-MoE's sigmoid gate on the shared expert output.
         router_logits_fp32: compute the router linear in fp32 (DeepSeek-V3's HF router does);
             otherwise in the activation dtype (Mixtral, Qwen2/3-MoE, OLMoE).
-        dtype: parameter and activation dtype.
+        dtype: parameter and activation dtype: torch.float32, torch.bfloat16 or torch.float16,
+            or its name ("float32", "bfloat16", "float16", as in HF configs' torch_dtype).
 
     Raises:
         TypeError: a size that is not an int, a flag that is not a bool.
