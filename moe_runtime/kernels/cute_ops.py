@@ -41,6 +41,7 @@ from ..sync.host import check_errors, error_flags, raise_pending, workspace
 from . import cute_compile as cc
 from . import dispatch_slots as _dslots
 from . import route_topk as _route
+from .device_rows import num_segments
 from .reference import dispatch_capacity
 
 __all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode", "linear_gemv",
@@ -367,8 +368,9 @@ def _combine(expert_y, token_slot, topk_weights, mode: str) -> torch.Tensor:
         return torch.zeros(T, H, dtype=expert_y.dtype, device=expert_y.device)
     y = torch.empty(T, H, dtype=expert_y.dtype, device=expert_y.device)
     if T:
-        units = T * -(-H * expert_y.element_size() // 512)  # 512-byte row segments
-        fn = cc.combine_fn(_DTYPE_NAMES[expert_y.dtype], H, k,
+        dtype = _DTYPE_NAMES[expert_y.dtype]
+        units = T * num_segments(H, cc.DTYPES[dtype], 1)  # the kernel's (token, segment) units
+        fn = cc.combine_fn(dtype, H, k,
                            *cc.combine_shape(mode, units, k, _sm_count(expert_y.device.index)))
         fn(expert_y, token_slot, topk_weights, y)
     return y

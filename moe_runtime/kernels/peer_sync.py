@@ -141,9 +141,9 @@ def signal_release(flag: cute.Pointer, value: Int32, tidx: Int32):
 def rank_grid_barrier(bar_addr: Int64, lb: Int32, cpr: Constexpr[int], tidx: Int32, err: Int64,
                       max_spins: Int32, phase: Int32):
     """Barrier among the cpr CTAs of one rank (the bit-31 flip of sync/grid_barrier.py,
-    self-resetting, one word per rank). Needs the CTAs co-resident (cooperative launch). Bounded by TWICE
-    max_spins: a CTA held up by a peer wait (bound 1x) reports that peer first and
-    the barrier waiters then stop on its error; a barrier timeout of its own records
+    self-resetting, one word per rank). Needs the CTAs co-resident (cooperative launch).
+    Bounded by TWICE max_spins: a CTA held up by a peer wait (bound 1x) reports that peer first
+    and the barrier waiters then stop on its error; a barrier timeout of its own records
     (phase, peer=-1) and leaves the word dirty (reset() clears it)."""
     cute.arch.sync_threads()
     if tidx == 0:
