@@ -351,7 +351,7 @@ def tune(name, H, E, k):
                 continue
             fn = cute_compile.dispatch_decode_fn("bfloat16", H, E, k, warps, cap)
             us = graph_us(lambda: fn(x, ids, ex, offsets, slot, 0, 1,
-                                     cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM * sms))
+                                     cute_ops.dispatch_decode_grid(T * k, E, sms)))
             out.append(dict(shape=name, T=T, op="dispatch_decode", warps=warps, cap=cap, us=us,
                             bytes=dispatch_bytes(T, H, k)))
     for T in (4096, 16384):

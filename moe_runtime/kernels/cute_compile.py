@@ -11,7 +11,7 @@ Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row se
     route             ROUTE_WARPS[mode], mode "decode" up to ROUTE_DECODE_MAX_TOKENS tokens
     dispatch decode   one launch, no grid barrier (T * k <= DISPATCH_DECODE_MAX_ITEMS),
                       warps and item cap by T * k (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V,
-                      grid <= a few blocks per SM (cute_ops.DISPATCH_DECODE_BLOCKS_PER_SM)
+                      grid <= one or a few blocks per SM (cute_ops.dispatch_decode_grid)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
                       V = DISPATCH_COPY_V)
     combine           combine_shape(mode, units, top_k, sms)

@@ -69,9 +69,26 @@ DISPATCH_DECODE_MAX_BYTES = 28 << 20
 COMBINE_DECODE_MAX_BYTES = 4 << 20
 # (t, j) items one decode dispatch takes (every block reads all of them)
 DISPATCH_DECODE_MAX_ITEMS = cc.DISPATCH_DECODE_MAX_ITEMS
-# decode dispatch grid: at most this many blocks per SM (one (token, segment) unit per warp
-# below that; above it warps loop over units)
+# Decode dispatch grid: at most DISPATCH_DECODE_BLOCKS_PER_SM blocks per SM (one (token,
+# segment) unit per warp below that; above it warps loop over units), or one block per SM when
+# T * k * E_local >= DISPATCH_DECODE_ONE_BLOCK_WORK: every block ranks all T * k ids itself, a
+# cost that grows with the items and the experts, so for wide layouts fewer blocks that each
+# copy more units win. H200, graph replay (bench_out diagnostic, one block per SM against four,
+# us): DeepSeek-V3 T = 32 / 64 / 128 / 256: 2.43 / 3.45 / 5.80 / 9.74 against 2.52 / 3.67 /
+# 6.01 / 10.60; Qwen3-30B-A3B T = 256: 4.74 against 5.08 (T = 64, 128: within 0.1); H 4096,
+# E 64, k 8, T = 128 / 256: 3.94 / 6.52 against 4.26 / 7.57; H 2048, E 64, k 6, T = 256: 3.98
+# against 4.23. Below the bound one block per SM lost up to 0.3 us (Mixtral T = 32..128; E 16
+# and 32 with k 4 at T = 256).
 DISPATCH_DECODE_BLOCKS_PER_SM = 4
+DISPATCH_DECODE_ONE_BLOCK_WORK = 1 << 16
+
+
+def dispatch_decode_grid(items: int, num_local_experts: int, sms: int) -> int:
+    """Largest grid of the decode dispatch for `items` = T * k picks over `num_local_experts`
+    experts on a GPU of `sms` SMs (the launch takes fewer blocks when the rows need fewer)."""
+    if items * num_local_experts >= DISPATCH_DECODE_ONE_BLOCK_WORK:
+        return sms
+    return DISPATCH_DECODE_BLOCKS_PER_SM * sms
 
 MAX_TOP_K = 32
 MAX_EXPERTS = 1024
@@ -291,7 +308,7 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
     if mode == "decode":
         cc.dispatch_decode_fn(dtype, H, E, k, *cc.dispatch_decode_shape(T * k))(
             x, topk_ids, expert_x, offsets, token_slot, expert_start, align,
-            DISPATCH_DECODE_BLOCKS_PER_SM * _sm_count(dev.index))
+            dispatch_decode_grid(T * k, E, _sm_count(dev.index)))
     else:
         # both compiled before either runs: the slots launch leaves expert totals in the
         # workspace that only the copy launch consumes (the next slots launch clears them;
