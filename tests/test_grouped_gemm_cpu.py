@@ -40,6 +40,17 @@ def test_quack_is_not_supported_without_cuda_or_for_fp32():
         assert not gg.quack_supported(None, torch.bfloat16)
 
 
+
+@pytest.mark.parametrize("path,want", [
+    ("/usr/lib/python3.12/site-packages/cutlass/__init__.py", True),
+    ("/usr/lib/python3/dist-packages/cutlass/__init__.py", True),
+    ("/venv/lib/python3.12/site-packages/nvidia_cutlass_dsl/python_packages/cutlass/__init__.py", True),
+    ("/tmp/site/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py", False),  # pip --target
+    ("/opt/my-site-packages-copy/cutlass/__init__.py", False),  # a directory named otherwise
+])
+def test_quack_needs_cutlass_under_site_packages(path, want):
+    assert gg.quack_keys_installed_code(path) is want
+
 @pytest.mark.parametrize("rows_per_expert,gemm,want", [
     (128, "gate_up", gg.ONE_TILE_192), (128, "down", gg.ONE_TILE_192),  # DeepSeek-V3, T=4096
     (97, "down", gg.ONE_TILE_192), (176, "gate_up", gg.ONE_TILE_192),   # the band's edges

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
+
+from . import _log_once
 
 # Tile configurations (tile_m, tile_n, pingpong, cluster_m, cluster_n; static persistent
 # schedule; the cluster pair shares A tiles by multicast), picked per GEMM from the rows each
@@ -69,15 +72,38 @@ def quack_available() -> bool:
     return importlib.util.find_spec("quack") is not None
 
 
+def quack_keys_installed_code(cutlass_file: str) -> bool:
+    """Whether quack 0.6 can key its compiled epilogues with cutlass at `cutlass_file`.
+
+    quack fingerprints an epilogue by the source and globals of every function it calls, and
+    stops at functions it considers installed: files under a `site-packages` or
+    `dist-packages` directory or the standard library
+    (quack.gemm_runtime.identity._is_extern_function). With nvidia-cutlass-dsl anywhere else
+    (`pip install --target` + PYTHONPATH, an unpacked bundle) the walk enters cutlass's
+    internals and the first gated GEMM raises TypeError (a ContextVar has no key).
+    """
+    parts = os.path.abspath(cutlass_file).split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
+
+
 @functools.lru_cache(maxsize=None)
 def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
     """Whether the quack grouped GEMM runs here: quack importable, sm_90 or sm_100 (its SM90
-    and SM100 kernels), 16-bit operands."""
+    and SM100 kernels), 16-bit operands, nvidia-cutlass-dsl installed where quack can key its
+    epilogues (`quack_keys_installed_code`; otherwise logged once, torch._grouped_mm is used)."""
     if dtype not in (torch.bfloat16, torch.float16) or not quack_available():
         return False
     if not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+    if torch.cuda.get_device_capability(device_index)[0] not in (9, 10):
+        return False
+    cutlass_file = importlib.util.find_spec("cutlass").origin
+    if not quack_keys_installed_code(cutlass_file):
+        _log_once(f"moe_runtime: nvidia-cutlass-dsl at {cutlass_file} is outside site-packages /"
+                  " dist-packages, where quack cannot key its GEMM epilogues; the experts use "
+                  "torch._grouped_mm instead of quack")
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
