@@ -44,8 +44,9 @@ def add_block_counts(s_cnt: cute.Tensor, counts: cute.Pointer, s_base, E: Conste
 def block_exclusive_scan(val: Int32, s_warp: cute.Tensor, warps: Constexpr[int]):
     """Exclusive prefix sum of one Int32 per thread over the block (thread order).
 
-    s_warp: shared Int32 [warps] scratch. Returns (exclusive prefix, block total), the same
-    total in every thread. Block-wide call (two barriers).
+    s_warp: shared Int32 [warps] scratch, read after this returns: the caller passes a barrier
+    before writing it again. Returns (exclusive prefix, block total), the same total in every
+    thread. Block-wide call (one barrier).
     """
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
@@ -64,7 +65,6 @@ def block_exclusive_scan(val: Int32, s_warp: cute.Tensor, warps: Constexpr[int])
         if w < warp:
             before = before + part
         total = total + part
-    cute.arch.sync_threads()
     return before + incl - val, total
 
 
