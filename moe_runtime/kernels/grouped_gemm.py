@@ -97,7 +97,8 @@ def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
         return False
     if torch.cuda.get_device_capability(device_index)[0] not in (9, 10):
         return False
-    cutlass_file = importlib.util.find_spec("cutlass").origin
+    spec = importlib.util.find_spec("cutlass")  # (quack requires it)
+    cutlass_file = spec.origin if spec is not None and spec.origin else ""
     if not quack_keys_installed_code(cutlass_file):
         _log_once(f"moe_runtime: nvidia-cutlass-dsl at {cutlass_file} is outside site-packages /"
                   " dist-packages, where quack cannot key its GEMM epilogues; the experts use "
