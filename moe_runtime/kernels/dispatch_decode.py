@@ -32,7 +32,10 @@ T = 1 / 128): ids 380 / 650, ranking 140 / 960, offsets 500 / 620, slots 70 / 30
 550 / 1100. A ranking that ballots every chunk first and lets only each group's lowest lane
 touch hist (the peers take its count by a shuffle) was slower: 200 / 1310 cycles. The padding
 division runs only for align > 1 (at align = 1 it cost 100-230 cycles of the offsets step: the
-decode dispatch 0.04-0.2 us faster at T = 32..256 for the three benchmark shapes).
+decode dispatch 0.04-0.2 us faster at T = 32..256 for the three benchmark shapes). Computing
+the slots in the copy loop from a packed (warp, expert, rank) per item, without step 3's pass
+and barrier, was mixed in two same-run A/Bs: T = 256 0.13-0.40 us faster (Qwen3, DeepSeek-V3),
+Qwen3 T = 1 / 8 0.06-0.19 us and DeepSeek-V3 T = 128 0.08-0.14 us slower; not adopted.
 Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
 its dependents start at once) its blocks are resident early and wait for the previous launch
 (griddepcontrol.wait) before any global access: x may be the output of any earlier kernel,
