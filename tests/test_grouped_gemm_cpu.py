@@ -40,7 +40,6 @@ def test_quack_is_not_supported_without_cuda_or_for_fp32():
         assert not gg.quack_supported(None, torch.bfloat16)
 
 
-
 @pytest.mark.parametrize("path,want", [
     ("/usr/lib/python3.12/site-packages/cutlass/__init__.py", True),
     ("/usr/lib/python3/dist-packages/cutlass/__init__.py", True),
@@ -50,6 +49,43 @@ def test_quack_is_not_supported_without_cuda_or_for_fp32():
 ])
 def test_quack_needs_cutlass_under_site_packages(path, want):
     assert gg.quack_keys_installed_code(path) is want
+
+
+@pytest.mark.parametrize("origin,want", [
+    ("/venv/lib/python3.12/site-packages/cutlass/__init__.py", True),
+    ("/tmp/site/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py", False),
+    (None, False),  # cutlass not importable
+])
+def test_quack_supported_follows_the_cutlass_location(monkeypatch, caplog, origin, want):
+    """On an sm_90 GPU with quack importable, the quack path depends on where cutlass lives;
+    when it cannot run, the reason is logged once."""
+    import importlib.util
+    import types
+    from moe_runtime import kernels
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *a, **kw):
+        if name == "cutlass":
+            return None if origin is None else types.SimpleNamespace(origin=origin)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(gg, "quack_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    gg.quack_supported.cache_clear()
+    kernels._log_once.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="moe_runtime"):
+            assert gg.quack_supported(0, torch.bfloat16) is want
+            assert gg.quack_supported(1, torch.bfloat16) is want  # another cache key
+        logged = [r for r in caplog.records if "cannot key" in r.getMessage()]
+        assert len(logged) == (0 if want else 1)
+    finally:
+        gg.quack_supported.cache_clear()
+        kernels._log_once.cache_clear()
+
 
 @pytest.mark.parametrize("rows_per_expert,gemm,want", [
     (128, "gate_up", gg.ONE_TILE_192), (128, "down", gg.ONE_TILE_192),  # DeepSeek-V3, T=4096

@@ -317,7 +317,6 @@ def test_spec_grid_covers_the_issue_grid():
     assert cc.combine_shape("prefill", 1, 8, 132) == COMBINE_SHAPES["prefill"]
 
 
-
 def test_dispatch_decode_grid_rule():
     """One block per SM from T * k * E_local = DISPATCH_DECODE_ONE_BLOCK_WORK on, else a few."""
     from moe_runtime.kernels import cute_ops as ops
@@ -327,6 +326,7 @@ def test_dispatch_decode_grid_rule():
     assert ops.dispatch_decode_grid(bound // 128 - 1, 128, 132) == few * 132
     assert ops.dispatch_decode_grid(256 * 8, 8, 132) == few * 132  # Mixtral T = 1024
     assert ops.dispatch_decode_grid(8, 256, 78) == few * 78
+
 
 def test_ptx_checker_rejects_scalar_copies():
     """The PTX facts catch a kernel that lost its 128-bit accesses."""

@@ -98,11 +98,11 @@ def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
     if torch.cuda.get_device_capability(device_index)[0] not in (9, 10):
         return False
     spec = importlib.util.find_spec("cutlass")  # (quack requires it)
-    cutlass_file = spec.origin if spec is not None and spec.origin else ""
-    if not quack_keys_installed_code(cutlass_file):
-        _log_once(f"moe_runtime: nvidia-cutlass-dsl at {cutlass_file} is outside site-packages /"
-                  " dist-packages, where quack cannot key its GEMM epilogues; the experts use "
-                  "torch._grouped_mm instead of quack")
+    where = spec.origin if spec is not None else None
+    if not where or not quack_keys_installed_code(where):
+        _log_once(f"moe_runtime: quack cannot key its GEMM epilogues with nvidia-cutlass-dsl at "
+                  f"{where or 'no importable location'} (it needs it under site-packages / "
+                  "dist-packages); the experts use torch._grouped_mm instead of quack")
         return False
     return True
 
