@@ -13,6 +13,18 @@ from cutlass import Constexpr, Int32
 
 
 @cute.jit
+def round_up(c: Int32, align: Int32) -> Int32:
+    """c rounded up to a multiple of align (>= 1): a segment's rows with its padding. The
+    division by a runtime align is a long dependent instruction sequence (100-230 cycles of
+    the decode dispatch's offsets step on the H200 at align = 1), so align = 1 skips it (a
+    uniform branch)."""
+    r = c
+    if align > 1:
+        r = (c + align - 1) // align * align
+    return r
+
+
+@cute.jit
 def clear_shared(s: cute.Tensor, n: Constexpr[int], threads: Constexpr[int]):
     """s[0:n] = 0 by the whole block, then a block barrier."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -87,7 +99,7 @@ def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], align: Int32, lane: 
         if cutlass.const_expr(P * 32 > E):
             idx = cutlass.min(e, E - 1)  # in bounds, no branch around the loads
         c = ws[at + idx] + ws[at + E + idx]
-        pad = (c + align - 1) // align * align
+        pad = round_up(c, align)
         if cutlass.const_expr(P * 32 > E):
             pad = pad if e < E else Int32(0)
         pads.append(pad)

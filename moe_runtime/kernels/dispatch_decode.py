@@ -31,8 +31,9 @@ Where a block's time goes (clock() at the phase boundaries in thread 0, H200 cyc
 T = 1 / 128): ids 380 / 650, ranking 140 / 960, offsets 500 / 620, slots 70 / 300, copies
 550 / 1100. A ranking that ballots every chunk first and lets only each group's lowest lane
 touch hist (the peers take its count by a shuffle) was slower: 200 / 1310 cycles. The padding
-division runs only for align > 1 (at align = 1 it cost 100-230 cycles of the offsets step: the
-decode dispatch 0.04-0.2 us faster at T = 32..256 for the three benchmark shapes). Computing
+division runs only for align > 1 (device_counts.round_up; at align = 1 it cost 100-230 cycles
+of the offsets step: the decode dispatch 0.04-0.2 us faster at T = 32..256 for the three
+benchmark shapes). Computing
 the slots in the copy loop from a packed (warp, expert, rank) per item, without step 3's pass
 and barrier, was mixed in two same-run A/Bs: T = 256 0.13-0.40 us faster (Qwen3, DeepSeek-V3),
 Qwen3 T = 1 / 8 0.06-0.19 us and DeepSeek-V3 T = 128 0.08-0.14 us slower; not adopted.
@@ -49,7 +50,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32, Uint32
 
-from .device_counts import block_exclusive_scan
+from .device_counts import block_exclusive_scan, round_up
 from .device_rows import load_segment, num_segments, row_vectors, store_segment, vec_width
 
 
@@ -145,9 +146,7 @@ def dispatch_decode_kernel(mX: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor
             for w in cutlass.range_constexpr(WARPS):
                 s_hist[w, e] = run
                 run = run + hs[w]
-        pad = run
-        if align > 1:  # (a uniform branch: the division is a long dependent sequence)
-            pad = (run + align - 1) // align * align
+        pad = round_up(run, align)
         pads.append(pad)
         part = part + pad
     excl, total = block_exclusive_scan(part, s_warp, WARPS)

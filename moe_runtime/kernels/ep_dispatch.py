@@ -70,6 +70,7 @@ import cuda.bindings.driver as cuda
 from cutlass import Constexpr, Int32, Int64
 
 from ..comm import peer_buffers as pb
+from .device_counts import round_up
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
                         copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at, in_range,
                         rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
@@ -205,7 +206,7 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                 tot = Int32(0)
                 for s in cutlass.range_constexpr(W):
                     tot = tot + sC[s * E_l + le]
-                sT[le] = (tot + (align - 1)) // align * align
+                sT[le] = round_up(tot, align)
             if tidx < W:
                 acc = Int32(0)
                 for u in cutlass.range(tidx * E_l, tidx * E_l + E_l, 1):
