@@ -22,7 +22,12 @@ a three-barrier block scan cost 5-6 µs; one warp per block with plain loads and
 is what is left. The stores run at the DRAM rate of k scattered row writes: a kernel that only
 stores rows to given slots took the same time within 1-3% (Qwen3-30B-A3B T = 16384, DeepSeek-V3
 T = 4096), and TMA bulk stores (cp.async.bulk from shared memory) of its segments gained
-0.5-1.7% there (not adopted).
+0.5-1.7% there (not adopted). Visiting the rows in destination order instead (a gather: warps
+walk the output rows and load their tokens' rows) did not lift that rate (fraction of copy
+bandwidth, same run, T = 4096 / 16384): in plain slot order the reads scatter and it fell to
+0.55-0.76; visiting chunks of 256-2048 tokens, slot order inside each, gave 0.82-0.89 at best
+(DeepSeek-V3 chunks of 256: 0.88-0.89 against 0.87 for the scatter) and less for larger
+chunks; token order equals the scatter.
 Shared memory: E + 1 offsets.
 """
 from __future__ import annotations

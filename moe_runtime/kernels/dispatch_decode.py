@@ -37,6 +37,10 @@ benchmark shapes). Computing
 the slots in the copy loop from a packed (warp, expert, rank) per item, without step 3's pass
 and barrier, was mixed in two same-run A/Bs: T = 256 0.13-0.40 us faster (Qwen3, DeepSeek-V3),
 Qwen3 T = 1 / 8 0.06-0.19 us and DeepSeek-V3 T = 128 0.08-0.14 us slower; not adopted.
+Step 2 done by every warp for its own bases (ceil(E / 32) experts per lane, one warp scan,
+no block barrier) measured slower for E >= 128 (DeepSeek-V3 T = 32 / 128: 2.41 / 5.77 ->
+3.69 / 7.08 us: each warp reads all of hist) and within the run-to-run spread (~0.1 us) for
+E = 8..64 (two interleaved runs per form, k = 2..8, T = 1..256); not adopted.
 Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
 its dependents start at once) its blocks are resident early and wait for the previous launch
 (griddepcontrol.wait) before any global access: x may be the output of any earlier kernel,

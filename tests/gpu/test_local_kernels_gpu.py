@@ -132,7 +132,7 @@ def test_dispatch_edge_cases(ops, mode, case):
 @pytest.mark.parametrize("case", ["T1_k1", "odd_hidden", "one_vector_rows", "max_experts_align",
                                   "small_block_max_experts", "small_block_cap",
                                   "mid_block_cap_one_expert", "cap", "cap_one_expert",
-                                  "one_block_per_sm_loops"])
+                                  "one_block_per_sm_loops", "one_local_expert_align"])
 def test_dispatch_decode_edge_cases(ops, case):
     """The barrier-free decode kernel at its edges: one pick, rows of partial segments or a
     single 16-byte vector, E = 1024 (the largest shared-memory layout) with padding, exactly
@@ -151,6 +151,8 @@ def test_dispatch_decode_edge_cases(ops, case):
         # one block per SM (cute_ops.dispatch_decode_grid), each warp copying ~7 units of 29
         # segments (the last partial), 128 of 256 experts local, padded
         "one_block_per_sm_loops": (256, 7176, 256, 8, torch.bfloat16, 64, 128, 4),
+        # a single local expert of 64, 8 warps (800 items), padded
+        "one_local_expert_align": (200, 1024, 64, 4, torch.bfloat16, 5, 1, 8),
     }[case]
     assert T * k <= ops.DISPATCH_DECODE_MAX_ITEMS
     x = torch.randn(T, H, device=DEV).to(dtype)
