@@ -22,12 +22,18 @@ a three-barrier block scan cost 5-6 µs; one warp per block with plain loads and
 is what is left. The stores run at the DRAM rate of k scattered row writes: a kernel that only
 stores rows to given slots took the same time within 1-3% (Qwen3-30B-A3B T = 16384, DeepSeek-V3
 T = 4096), and TMA bulk stores (cp.async.bulk from shared memory) of its segments gained
-0.5-1.7% there (not adopted). Visiting the rows in destination order instead (a gather: warps
-walk the output rows and load their tokens' rows) did not lift that rate (fraction of copy
-bandwidth, same run, T = 4096 / 16384): in plain slot order the reads scatter and it fell to
-0.55-0.76; visiting chunks of 256-2048 tokens, slot order inside each, gave 0.82-0.89 at best
-(DeepSeek-V3 chunks of 256: 0.88-0.89 against 0.87 for the scatter) and less for larger
-chunks; token order equals the scatter.
+0.5-1.7% there (not adopted). What the write pattern costs (H200, one run, fraction of copy
+bandwidth; a diagnostic kernel with the same bytes, warps visiting rows in a given order):
+writing the k copies of each row to consecutive rows (no expert layout) 0.90-0.93 at
+T = 4096-16384 (0.97 for Qwen3-30B-A3B at 4096), the same stores at the slots 0.86-0.93.
+Visiting the output in slot order instead (a gather) scatters the reads: 0.73-0.75. Chunks of
+tokens in slot order inside each chunk, with the x loads marked L2 evict_last and the row
+stores evict_first (createpolicy handles, `.L2::cache_hint`), reached 0.91 for DeepSeek-V3
+T = 4096 (chunks of 512 tokens) and 0.90 for Qwen3-30B-A3B T = 16384 (2048); without the
+hints 0.83 / 0.82, and larger chunks lose (0.74-0.84). That would need a third launch (the
+visit order: destination and token per position) and chunk-ordered slots; not built. The
+store hint alone in token order gained 1-2% (Qwen3-30B-A3B, DeepSeek-V3), 0.6% lost for
+Mixtral; not adopted (it also evicts the rows the grouped GEMM reads next).
 Shared memory: E + 1 offsets.
 """
 from __future__ import annotations
