@@ -26,14 +26,17 @@ T = 4096), and TMA bulk stores (cp.async.bulk from shared memory) of its segment
 bandwidth; a diagnostic kernel with the same bytes, warps visiting rows in a given order):
 writing the k copies of each row to consecutive rows (no expert layout) 0.90-0.93 at
 T = 4096-16384 (0.97 for Qwen3-30B-A3B at 4096), the same stores at the slots 0.86-0.93.
-Visiting the output in slot order instead (a gather) scatters the reads: 0.73-0.75. Chunks of
-tokens in slot order inside each chunk, with the x loads marked L2 evict_last and the row
-stores evict_first (createpolicy handles, `.L2::cache_hint`), reached 0.91 for DeepSeek-V3
-T = 4096 (chunks of 512 tokens) and 0.90 for Qwen3-30B-A3B T = 16384 (2048); without the
-hints 0.83 / 0.82, and larger chunks lose (0.74-0.84). That would need a third launch (the
-visit order: destination and token per position) and chunk-ordered slots; not built. The
-store hint alone in token order gained 1-2% (Qwen3-30B-A3B, DeepSeek-V3), 0.6% lost for
-Mixtral; not adopted (it also evicts the rows the grouped GEMM reads next).
+Visiting the output in slot order instead (a gather) scatters the reads: 0.73-0.75. L2
+eviction hints (createpolicy handles, `.L2::cache_hint`: x loads evict_last, row stores
+evict_first) on this launch's own token order, with x rotated over buffers larger than the L2
+so no replay finds it there: Mixtral T = 16384 0.89 -> 0.93, DeepSeek-V3 T = 4096 / 16384
+0.87 -> 0.88 / 0.89, Qwen3-30B-A3B T = 16384 0.87 -> 0.88; mixed at T = 4096 (Mixtral 0.89 ->
+0.87; Qwen3-30B-A3B 0.93 -> 0.88 in one run, 0.85 -> 0.87 in another). The store hint alone
+gained about 1%. Not adopted: the gain is
+shape-dependent, and x lines kept at evict_last after the launch would crowd the grouped GEMM
+that runs next out of the L2 (not measured). Chunks of 256-2048 tokens in slot order inside
+each chunk with both hints reached 0.90-0.91 (DeepSeek-V3 T = 4096 / 16384, Qwen3-30B-A3B
+T = 16384); that needs chunk-ordered slots and a visit order per position, not built.
 Shared memory: E + 1 offsets.
 """
 from __future__ import annotations
