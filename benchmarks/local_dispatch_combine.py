@@ -241,10 +241,10 @@ def prefill_ranks(ids, E, k):
     return rank, ws
 
 
-def copy_only_us(x, ids, E, k, warps=cute_compile.DISPATCH_COPY_WARPS,
-                 v=cute_compile.DISPATCH_COPY_V):
+def copy_only_us(x, ids, E, k, warps=cute_compile.DISPATCH_COPY_WARPS, v=None):
     """µs of the prefill dispatch's copy launch alone (ranks and expert totals already
-    computed): the dispatch's row traffic without the slots launch."""
+    computed): the dispatch's row traffic without the slots launch. v None: the launch's own
+    (cute_compile.dispatch_copy_v)."""
     rank, ws = prefill_ranks(ids, E, k)
     ex = torch.empty(ids.numel(), x.shape[1], dtype=x.dtype, device="cuda")
     offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")

@@ -205,7 +205,8 @@ def _ptx_problems(kind: str, args: tuple, ptx: str) -> str | None:
         from moe_runtime.kernels import cute_compile as cc
         from moe_runtime.kernels.dispatch_copy import full_occupancy_blocks
         bits = cc.DTYPES[args[0]].width
-        if full_occupancy_blocks(cc.DISPATCH_COPY_WARPS, cc.DISPATCH_COPY_V, args[2], bits):
+        if full_occupancy_blocks(cc.DISPATCH_COPY_WARPS, cc.dispatch_copy_v(args[3]), args[2],
+                                 bits):
             return "the copy launch lost its blocks-per-SM bound (.minnctapersm)"
     if kind in WAIT_FIRST + WRITE_AFTER_WAIT:
         first = re.search(GLOBAL_ACCESS if kind in WAIT_FIRST else GLOBAL_WRITE, ptx)

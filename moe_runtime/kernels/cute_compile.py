@@ -13,12 +13,12 @@ Launch shapes per mode (warps per block, V = 16-byte vectors per lane per row se
                       warps and item cap by T * k (DISPATCH_DECODE_SHAPES), V = DISPATCH_DECODE_V,
                       grid <= one or a few blocks per SM (cute_ops.dispatch_decode_grid)
     dispatch prefill  slots launch (DISPATCH_SLOTS_WARPS) + copy launch (DISPATCH_COPY_WARPS,
-                      V = DISPATCH_COPY_V)
+                      V = dispatch_copy_v(top_k))
     combine           combine_shape(mode, units, top_k, sms)
 The copy and combine getters also take (warps, v) so benchmarks/local_dispatch_combine.py
---tune can time other launch shapes. On the H200 the prefill copy was within 2% for every
-(4 | 8 warps) x (V 2 | 4 | 8) (it runs at the HBM write rate: it writes k bytes per byte
-read); combine was best with V = 1.
+--tune can time other launch shapes. On the H200 the prefill copy (it runs at the HBM write
+rate: it writes k bytes per byte read) was best with V = 4 or 8 at k = 8 (V = 2 up to 9%
+slower) and with V = 2 at k = 2 (DISPATCH_COPY_SMALL_K); combine was best with V = 1.
 """
 from __future__ import annotations
 
@@ -74,8 +74,18 @@ DISPATCH_DECODE_MAX_ITEMS = DISPATCH_DECODE_SHAPES[-1][1]
 # from the slots launch's last block into the copy launch (dispatch_copy.py) left 0.2-2 us:
 # Qwen3 T = 4096 40.1 -> 39.4 us, Mixtral 31.3 -> 27.6, DeepSeek-V3 146.1 -> 144.3 (one run)
 DISPATCH_SLOTS_WARPS = 16
+# prefill copy launch: 4 warps per block; V = 4 (2 KiB row segments for 16-bit rows), or
+# DISPATCH_COPY_SMALL_K_V = 2 for top_k <= DISPATCH_COPY_SMALL_K. H200, the whole prefill
+# dispatch (slots + copy, best of two in one process, graph replay): Mixtral (k = 2) T = 4096 /
+# 16384 with V = 2 26.63 / 103.87 us (0.887 / 0.910 of copy bandwidth) against 27.00 / 105.46
+# (0.875 / 0.896) with V = 4; its copy launch alone in two earlier --tune runs 28.72 / 105.76
+# against 29.10 / 107.56 and 27.30 / 104.33 against 27.53 / 104.77. For k = 8, V = 2 lost:
+# Qwen3-30B-A3B T = 4096 / 16384 41.60 / 166.16 against 39.02 / 164.61, DeepSeek-V3 within
+# 0.3%; V = 1 lost or tied everywhere, 8 warps per block too (bench_out diagnostic copy_v).
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
+DISPATCH_COPY_SMALL_K = 2
+DISPATCH_COPY_SMALL_K_V = 2
 COMBINE_WARPS = {"decode": 4, "prefill": 8}
 COMBINE_NARROW_MIN_K = 4
 COMBINE_NARROW_UNITS_PER_SM = 2
@@ -176,10 +186,16 @@ def dispatch_slots_fn(E: int, K: int, arch: str | None = None, warps: int = DISP
         options=_options(arch))
 
 
+def dispatch_copy_v(top_k: int) -> int:
+    """V (16-byte vectors per lane per row segment) of the prefill copy launch for top_k."""
+    return DISPATCH_COPY_SMALL_K_V if top_k <= DISPATCH_COPY_SMALL_K else DISPATCH_COPY_V
+
+
 @functools.lru_cache(maxsize=None)
 def dispatch_copy_fn(dtype: str, H: int, E: int, K: int, arch: str | None = None,
-                     warps: int = DISPATCH_COPY_WARPS, v: int = DISPATCH_COPY_V):
-    """fn(x, ids, rank, ws, out, offsets, slot, expert_start, align)."""
+                     warps: int = DISPATCH_COPY_WARPS, v: int | None = None):
+    """fn(x, ids, rank, ws, out, offsets, slot, expert_start, align); v None: dispatch_copy_v(K)."""
+    v = dispatch_copy_v(K) if v is None else v
     dt, T = DTYPES[dtype], cute.sym_int()
     return cute.compile(
         _dcopy.dispatch_copy, _rows(dt, H, T), _rows(Int32, K, T), _rows(Int32, K, T),
