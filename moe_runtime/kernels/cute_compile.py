@@ -82,6 +82,9 @@ DISPATCH_SLOTS_WARPS = 16
 # against 29.10 / 107.56 and 27.30 / 104.33 against 27.53 / 104.77. For k = 8, V = 2 lost:
 # Qwen3-30B-A3B T = 4096 / 16384 41.60 / 166.16 against 39.02 / 164.61, DeepSeek-V3 within
 # 0.3%; V = 1 lost or tied everywhere, 8 warps per block too (bench_out diagnostic copy_v).
+# local_dispatch_combine.py with V = 2 on a later machine start (copy 4.25 TB/s): Mixtral
+# T = 4096 / 16384 27.28 / 105.62-105.69 us (0.87 / 0.897-0.899) against 27.14 / 105.93 (0.87 /
+# 0.888, copy 4.28 TB/s) with V = 4 earlier that day: a small gain, within run-to-run spread.
 DISPATCH_COPY_WARPS = 4
 DISPATCH_COPY_V = 4
 DISPATCH_COPY_SMALL_K = 2
