@@ -233,7 +233,9 @@ class MoELayer(nn.Module):
             ValueError: last dimension not H, another device than the weights, or
                 backend="cute" where it cannot run (autograd recording, not CUDA, CuTeDSL
                 not importable).
-            RuntimeError: a CUDA-graph capture of a forward that autograd records.
+            RuntimeError: a CUDA-graph capture of a forward that autograd records; and in
+                backward, from the output of a multi-rank topology's forward (`tp`, `dp_*`:
+                the collectives have no backward, see `_NoBackward`).
         """
         c = self.config
         if not isinstance(hidden_states, torch.Tensor):
@@ -268,15 +270,23 @@ class MoELayer(nn.Module):
             with differentiable_kernels():
                 return self._forward_tokens(x).view(hidden_states.shape)
         y = self.cuda_graphs(x) if self._use_graphs(x) else self._forward_tokens(x)
+        if self.topology.name != "local" and self._wants_grad(x):
+            # the collectives between ranks have no backward: gradients through them would be
+            # silently wrong, so the output's backward raises instead
+            y = _NoBackward.apply(y, self.topology.name, x, *self.parameters())
         return y.view(hidden_states.shape)
 
+    def _wants_grad(self, x: torch.Tensor) -> bool:
+        """Gradients enabled and the input or a parameter requires grad."""
+        return torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in self.parameters()))
+
     def _records_autograd(self, x: torch.Tensor) -> bool:
-        """Whether this forward must be differentiable: gradients enabled, the input or a
-        parameter requires grad, and the `local` topology (whose reference path autograd
-        records end to end; the multi-rank topologies' collectives are not differentiable, and
-        switching one rank's kernels alone would desynchronize the ranks)."""
-        return (torch.is_grad_enabled() and self.topology.name == "local"
-                and (x.requires_grad or any(p.requires_grad for p in self.parameters())))
+        """Whether this forward must be differentiable: `_wants_grad` on the `local` topology
+        (whose reference path autograd records end to end; the multi-rank topologies'
+        collectives are not differentiable, and switching one rank's kernels alone would
+        desynchronize the ranks: their output gets a backward that raises, `_NoBackward`)."""
+        return self.topology.name == "local" and self._wants_grad(x)
 
     def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""
@@ -288,3 +298,23 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         return y
+
+
+class _NoBackward(torch.autograd.Function):
+    """The output of a multi-rank MoELayer forward (`tp`, `dp_*`), unchanged, with a backward
+    that raises: the topologies' collectives (all-to-all, all-reduce, peer copies) have no
+    backward, so autograd through them would give wrong gradients without an error. The layer's
+    input and parameters are inputs here only so that the output requires grad."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, topology: str, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.topology = topology
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(
+            f"MoELayer with the '{ctx.topology}' topology has no backward: its collectives "
+            f"between ranks are not differentiable, so the gradients would be wrong. Train with "
+            f"topology='local' (one process), or run forward under torch.inference_mode() / "
+            f"torch.no_grad()")

@@ -143,10 +143,15 @@ def _wait_gone(pids, timeout_s=20.0):
     return alive
 
 
+def _stat(pid) -> list[str]:
+    """/proc/<pid>/stat's fields after "pid (comm)" (comm may hold spaces): state, ppid, ..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _state(pid):
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        return _stat(pid)[0]
     except OSError:
         return "gone"
 
@@ -166,7 +171,7 @@ def test_a_rank_that_raises_fails_the_driver_naming_the_rank(ray_session, ckpt):
     eng.shutdown()
 
 
-def test_misshaped_expert_on_one_rank_fails_load_naming_rank_and_tensor(ray_session, ckpt, tmp_path):
+def test_misshaped_expert_on_one_rank_fails_load_naming_rank_and_tensor(engines, ckpt, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
     d = str(tmp_path / "broken")
@@ -177,7 +182,9 @@ def test_misshaped_expert_on_one_rank_fails_load_naming_rank_and_tensor(ray_sess
     key = "model.layers.0.mlp.experts.6.up_proj.weight"  # expert 6: rank 1 of 2
     tensors[key] = torch.zeros(32, 65)
     save_file(tensors, path)
+    engines(2, "dp_nvlink")  # (shared) live RankWorkers: the scan below must see them
     before = _rank_worker_pids()
+    assert len(before) >= 2, before
     t0 = time.monotonic()
     with pytest.raises(RankError) as e:
         Engine(d, world_size=2, topology="dp_nvlink", progress=False, timeout_s=60)
@@ -193,17 +200,29 @@ def test_misshaped_expert_on_one_rank_fails_load_naming_rank_and_tensor(ray_sess
 
 
 def _rank_worker_pids() -> set[int]:
-    """Live processes whose title Ray set to `ray::RankWorker...` (one per rank actor)."""
+    """Live processes whose title Ray set to `ray::RankWorker...` (one per rank actor) in this
+    test's Ray instance: descendants of this process (ray.init started the raylet that forks
+    the workers), so other Ray jobs on the machine do not count."""
     out = set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read().startswith(b"ray::RankWorker") and _state(pid) != "Z":
+                    if (f.read().startswith(b"ray::RankWorker") and _state(pid) != "Z"
+                            and _descends_from_me(int(pid))):
                         out.add(int(pid))
             except OSError:
                 pass
     return out
+
+
+def _descends_from_me(pid: int) -> bool:
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        pid = int(_stat(pid)[1])
+    return False
 
 
 def test_bad_topology_for_world_size_fails_before_ray_work(ckpt):

@@ -349,6 +349,43 @@ def test_single_process_without_torch_distributed(topo_name, caplog):
         run_experts("scale", ref.expert_x, ref.expert_offsets, 0), ref))
 
 
+
+def w_layer_backward(rank, world, topo_name):
+    """A MoELayer on `topo_name` with gradients on: (max |y - local layer's y|, the backward's
+    error or None, whether the output under no_grad carries a graph)."""
+    from moe_runtime import MoEConfig, MoELayer
+    cfg = MoEConfig(hidden_size=16, num_experts=E, top_k=2, moe_intermediate_size=8,
+                    dtype=torch.float32)
+    torch.manual_seed(3)  # the same weights on every rank
+    local = MoELayer(cfg, topology=LocalTopology(E, backend="reference"), backend="reference")
+    layer = MoELayer(cfg, topology=make_topology(topo_name, E, backend="reference"),
+                     backend="reference")
+    layer.router.load_state_dict(local.router.state_dict())
+    layer.load_expert_weights(local.experts.gate_up_proj.data, local.experts.down_proj.data)
+    seed = 0 if topo_name == "tp" else rank  # tp: the same tokens on every rank
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    y = layer(x)
+    diff = float((y - local(x)).abs().max())
+    try:
+        y.sum().backward()
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    with torch.no_grad():
+        graph = layer(x).grad_fn is not None
+    return diff, err, graph, x.grad is None
+
+
+@pytest.mark.parametrize("topo_name", TOPOS)
+def test_layer_backward_on_multirank_topologies_raises(pools, topo_name):
+    """Found by a review: gradients through the collectives came back wrong without an error
+    (tp: x.grad off by about its own size; dp_p2p: expert weights without grad). The output of
+    a multi-rank forward is right and its backward now raises, naming the topology."""
+    for diff, err, graph, no_x_grad in pools(2).run(w_layer_backward, topo_name):
+        assert diff <= 1e-5, diff
+        assert err is not None and f"'{topo_name}' topology has no backward" in err, err
+        assert not graph and no_x_grad
+
 def test_make_topology_names():
     with pytest.raises(ValueError, match=r"\['dp_nvlink', 'dp_p2p', 'local', 'tp'\]"):
         make_topology("ep", E)
