@@ -309,7 +309,7 @@ class _NoBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, topology: str, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.topology = topology
-        return y.view_as(y)
+        return y.detach()  # (not a view: callers may write into the output in place)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -352,7 +352,8 @@ def test_single_process_without_torch_distributed(topo_name, caplog):
 
 def w_layer_backward(rank, world, topo_name):
     """A MoELayer on `topo_name` with gradients on: (max |y - local layer's y|, the backward's
-    error or None, whether the output under no_grad carries a graph)."""
+    error or None, whether the output under no_grad carries a graph, x without grad); an
+    in-place add into a recorded output must work."""
     from moe_runtime import MoEConfig, MoELayer
     cfg = MoEConfig(hidden_size=16, num_experts=E, top_k=2, moe_intermediate_size=8,
                     dtype=torch.float32)
@@ -373,6 +374,8 @@ def w_layer_backward(rank, world, topo_name):
         err = str(e)
     with torch.no_grad():
         graph = layer(x).grad_fn is not None
+    h = layer(x)
+    h += 1  # in place into the output of a recorded forward (a residual add)
     return diff, err, graph, x.grad is None
 
 
@@ -380,7 +383,8 @@ def w_layer_backward(rank, world, topo_name):
 def test_layer_backward_on_multirank_topologies_raises(pools, topo_name):
     """Found by a review: gradients through the collectives came back wrong without an error
     (tp: x.grad off by about its own size; dp_p2p: expert weights without grad). The output of
-    a multi-rank forward is right and its backward now raises, naming the topology."""
+    a multi-rank forward is right (and writable in place) and its backward now raises, naming the
+    topology."""
     for diff, err, graph, no_x_grad in pools(2).run(w_layer_backward, topo_name):
         assert diff <= 1e-5, diff
         assert err is not None and f"'{topo_name}' topology has no backward" in err, err
