@@ -20,25 +20,26 @@ scanning the totals itself cost Qwen3-30B-A3B 4.4 µs (a grid-wide burst of load
 few lines, all released by the same wait), and strong (L1-bypassing) loads of the totals or
 a three-barrier block scan cost 5-6 µs; one warp per block with plain loads and one barrier
 is what is left. The stores run at the DRAM rate of k scattered row writes: a kernel that only
-stores rows to given slots took the same time within 1-3% (Qwen3-30B-A3B T = 16384, DeepSeek-V3 T =
-4096), and TMA bulk stores (cp.async.bulk from shared memory) of its segments gained 0.5-1.7% there
-(not adopted). What the write pattern costs (H200, four runs, fraction of copy bandwidth; a
-diagnostic kernel with the same bytes, warps visiting rows in a given order): writing the k copies
-of each row to consecutive rows (no expert layout) reached 0.89-0.93 at T = 16384 and for
-DeepSeek-V3 at T = 4096 where the same stores at the slots reached 0.85-0.87 (Mixtral T = 16384:
-0.90-0.91 against 0.88-0.90); at T = 4096 both moved by run (Qwen3-30B-A3B / Mixtral: consecutive
-0.87-0.97 / 0.85-0.90). Visiting the output in slot order instead (a gather) scatters the reads:
-0.55-0.76; chunks of 256 tokens in slot order inside each chunk 0.82-0.89 (2% above the slots' order
-for DeepSeek-V3 only), larger chunks 0.59-0.88. L2 eviction hints (createpolicy handles,
-`.L2::cache_hint`: x loads evict_last, row stores evict_first) on this launch's own token order,
-with x rotated over buffers larger than the L2 so no replay finds it there: Mixtral T = 16384 0.89
--> 0.93, DeepSeek-V3 T = 4096 / 16384 0.87 -> 0.88 / 0.89, Qwen3-30B-A3B T = 16384 0.87 -> 0.88;
-mixed at T = 4096 (Mixtral 0.89 -> 0.87; Qwen3-30B-A3B 0.93 -> 0.88 in one run, 0.85 -> 0.87 in
-another). The store hint alone gained about 1%. Not adopted: the gain is shape-dependent, and x
-lines kept at evict_last after the launch would crowd the grouped GEMM that runs next out of the L2
-(not measured). Chunks of 256-2048 tokens in slot order inside each chunk with both hints reached
-0.90-0.91 (DeepSeek-V3 T = 4096 / 16384, Qwen3-30B-A3B T = 16384); that needs chunk-ordered slots
-and a visit order per position, not built.
+stores rows to given slots took the same time within 1-3% (Qwen3-30B-A3B T = 16384, DeepSeek-V3
+T = 4096), and TMA bulk stores (cp.async.bulk from shared memory) of its segments gained
+0.5-1.7% there (not adopted). What the write pattern costs (H200, four runs, fraction of copy
+bandwidth; a diagnostic kernel with the same bytes, warps visiting rows in a given order):
+writing the k copies of each row to consecutive rows (no expert layout) reached 0.89-0.93 at
+T = 16384 and for DeepSeek-V3 at T = 4096 where the same stores at the slots reached 0.85-0.87
+(Mixtral T = 16384: 0.90-0.91 against 0.88-0.90); at T = 4096 both moved by run (Qwen3-30B-A3B /
+Mixtral: consecutive 0.87-0.97 / 0.85-0.90). Visiting the output in slot order instead (a
+gather) scatters the reads: 0.55-0.76; chunks of 256 tokens in slot order inside each chunk
+0.82-0.89 (2% above the slots' order for DeepSeek-V3 only), larger chunks 0.59-0.88. L2 eviction
+hints (createpolicy handles, `.L2::cache_hint`: x loads evict_last, row stores evict_first) on
+this launch's own token order, with x rotated over buffers larger than the L2 so no replay finds
+it there: Mixtral T = 16384 0.89 -> 0.93, DeepSeek-V3 T = 4096 / 16384 0.87 -> 0.88 / 0.89,
+Qwen3-30B-A3B T = 16384 0.87 -> 0.88; mixed at T = 4096 (Mixtral 0.89 -> 0.87; Qwen3-30B-A3B
+0.93 -> 0.88 in one run, 0.85 -> 0.87 in another). The store hint alone gained about 1%. Not
+adopted: the gain is shape-dependent, and x lines kept at evict_last after the launch would
+crowd the grouped GEMM that runs next out of the L2 (not measured). Chunks of 256-2048 tokens in
+slot order inside each chunk with both hints reached 0.90-0.91 (DeepSeek-V3 T = 4096 / 16384,
+Qwen3-30B-A3B T = 16384); that needs chunk-ordered slots and a visit order per position, not
+built.
 Shared memory: E + 1 offsets.
 """
 from __future__ import annotations

@@ -27,20 +27,19 @@ Measured against another layout (H200, graph replay): blocks that count the ids 
 shared-memory atomics (totals, and the picks of tokens before their own) and place only the
 tokens they copy were 0.1-0.4 us faster for Qwen3-30B-A3B at T = 32-256 but 0.15-0.25 us slower
 at T <= 8 and for DeepSeek-V3 at T = 64 and 256, so the ranking stays.
-Where a block's time goes (clock() at the phase boundaries in thread 0, H200 cycles, Qwen3-30B-A3B
-T = 1 / 128): ids 380 / 650, ranking 140 / 960, offsets 500 / 620, slots 70 / 300, copies
-550 / 1100. A ranking that ballots every chunk first and lets only each group's lowest lane
-touch hist (the peers take its count by a shuffle) was slower: 200 / 1310 cycles. The padding
-division runs only for align > 1 (device_counts.round_up; at align = 1 it cost 100-230 cycles
-of the offsets step: the decode dispatch 0.04-0.2 us faster at T = 32..256 for the three
-benchmark shapes). Computing
-the slots in the copy loop from a packed (warp, expert, rank) per item, without step 3's pass
-and barrier, was mixed in two same-run A/Bs: T = 256 0.13-0.40 us faster (Qwen3, DeepSeek-V3),
-Qwen3 T = 1 / 8 0.06-0.19 us and DeepSeek-V3 T = 128 0.08-0.14 us slower; not adopted.
-Step 2 done by every warp for its own bases (ceil(E / 32) experts per lane, one warp scan,
-no block barrier) measured slower for E >= 128 (DeepSeek-V3 T = 32 / 128: 2.41 / 5.77 ->
-3.69 / 7.08 us: each warp reads all of hist) and within the run-to-run spread (~0.1 us) for
-E = 8..64 (two interleaved runs per form, k = 2..8, T = 1..256); not adopted.
+Where a block's time goes (clock() at the phase boundaries in thread 0, H200 cycles,
+Qwen3-30B-A3B T = 1 / 128): ids 380 / 650, ranking 140 / 960, offsets 500 / 620, slots 70 / 300,
+copies 550 / 1100. A ranking that ballots every chunk first and lets only each group's lowest
+lane touch hist (the peers take its count by a shuffle) was slower: 200 / 1310 cycles. The
+padding division runs only for align > 1 (device_counts.round_up; at align = 1 it cost 100-230
+cycles of the offsets step: the decode dispatch 0.04-0.2 us faster at T = 32..256 for the three
+benchmark shapes). Computing the slots in the copy loop from a packed (warp, expert, rank) per
+item, without step 3's pass and barrier, was mixed in two same-run A/Bs: T = 256 0.13-0.40 us
+faster (Qwen3, DeepSeek-V3), Qwen3 T = 1 / 8 0.06-0.19 us and DeepSeek-V3 T = 128 0.08-0.14 us
+slower; not adopted. Step 2 done by every warp for its own bases (ceil(E / 32) experts per lane,
+one warp scan, no block barrier) measured slower for E >= 128 (DeepSeek-V3 T = 32 / 128: 2.41 /
+5.77 -> 3.69 / 7.08 us: each warp reads all of hist) and within the run-to-run spread (~0.1 us)
+for E = 8..64 (two interleaved runs per form, k = 2..8, T = 1..256); not adopted.
 Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
 its dependents start at once) its blocks are resident early and wait for the previous launch
 (griddepcontrol.wait) before any global access: x may be the output of any earlier kernel,
