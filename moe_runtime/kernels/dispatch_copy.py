@@ -34,12 +34,20 @@ hints (createpolicy handles, `.L2::cache_hint`: x loads evict_last, row stores e
 this launch's own token order, with x rotated over buffers larger than the L2 so no replay finds
 it there: Mixtral T = 16384 0.89 -> 0.93, DeepSeek-V3 T = 4096 / 16384 0.87 -> 0.88 / 0.89,
 Qwen3-30B-A3B T = 16384 0.87 -> 0.88; mixed at T = 4096 (Mixtral 0.89 -> 0.87; Qwen3-30B-A3B
-0.93 -> 0.88 in one run, 0.85 -> 0.87 in another). The store hint alone gained about 1%. Not
-adopted: the gain is shape-dependent, and x lines kept at evict_last after the launch would
-crowd the grouped GEMM that runs next out of the L2 (not measured). Chunks of 256-2048 tokens in
-slot order inside each chunk with both hints reached 0.90-0.91 (DeepSeek-V3 T = 4096 / 16384,
-Qwen3-30B-A3B T = 16384); that needs chunk-ordered slots and a visit order per position, not
-built.
+0.93 -> 0.88 in one run, 0.85 -> 0.87 in another). On this launch itself (three runs, two
+interleaved rounds each, x rotated past the L2): row stores at evict_first 1.0-1.4% faster for
+k = 8 (Qwen3-30B-A3B T = 4096 / 16384 0.906 / 0.853 -> 0.917 / 0.863, DeepSeek-V3 0.848 ->
+0.859 at both), no gain for Mixtral; with x loads at evict_last too 1.5-2% (Mixtral T = 16384
+0.897 -> 0.915, Qwen3-30B-A3B T = 4096 0.926). Not adopted, because the grouped GEMM that runs
+next pays for it: its gate/up kernel after this launch (Qwen3-30B-A3B T = 4096, torch.profiler,
+three interleaved rounds) took 418.6-420.7 us after plain stores, 422.1-422.6 after evict_first
+stores (more than the 0.5 us the stores gained) and 428.6-437.3 with x at evict_last (x's
+lines stay in the L2 at the highest priority); resetting x's lines to evict_normal after the
+stores (applypriority) left 420.4-426.9 and a 1.3-1.8% gain here (Mixtral T = 16384 0.91):
+about even for the layer. At T = 1024 and 16384 the GEMM did not move. Chunks of 256-2048
+tokens in slot order inside each chunk with both hints reached 0.90-0.91 (DeepSeek-V3 T = 4096
+/ 16384, Qwen3-30B-A3B T = 16384); that needs chunk-ordered slots and a visit order per
+position, not built (and the hints' cost moves to the GEMM, as above).
 Shared memory: E + 1 offsets.
 """
 from __future__ import annotations
