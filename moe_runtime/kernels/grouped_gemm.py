@@ -41,7 +41,14 @@ from . import _log_once
 # 64-row tiles lost 25-30% on gate/up (Qwen3-30B-A3B, T = 4096: 543-552 against 428 us);
 # cluster 1x1 moved with the run (Qwen3 T = 4096 gate/up 397 and 424 us in two runs against
 # 428-429 for 128x192 1x2; down 195 and 243 against 231-238) and lost at r <= 64, so the
-# choice above stays.
+# choice above stays. Timed alone as kernel durations (torch.profiler, three interleaved rounds,
+# uniform random routing; bench_out diagnostics gg_prof2-4), gate/up 128x192 without the pair
+# was faster for Qwen3-30B-A3B at r = 192-256 (T = 4096: 362-371 against 396-431 us; even at
+# r = 288-384, slower at r <= 64 and >= 512) but slower for Mixtral at r = 256-320 (1-3%) and
+# DeepSeek-V3 at r = 256-320 (10.3-12.3 against 7.1-9.4 ms); inside the Qwen3-30B-A3B layer at
+# T = 4096 (five interleaved rounds) the gain did not show: gate/up 394-526 against 396-434 us,
+# layer 681-758 against 710-756 us (the kernel durations there move by 10-20% between rounds,
+# with the power state of the GPU), so no rule was added for it.
 GATE_UP_TILE = (128, 192, True, 1, 2)
 DOWN_TILE = (128, 128, True, 1, 2)
 ONE_TILE_192 = (192, 128, True, 1, 2)
