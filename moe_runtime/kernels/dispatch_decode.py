@@ -39,7 +39,11 @@ faster (Qwen3, DeepSeek-V3), Qwen3 T = 1 / 8 0.06-0.19 us and DeepSeek-V3 T = 12
 slower; not adopted. Step 2 done by every warp for its own bases (ceil(E / 32) experts per lane,
 one warp scan, no block barrier) measured slower for E >= 128 (DeepSeek-V3 T = 32 / 128: 2.41 /
 5.77 -> 3.69 / 7.08 us: each warp reads all of hist) and within the run-to-run spread (~0.1 us)
-for E = 8..64 (two interleaved runs per form, k = 2..8, T = 1..256); not adopted.
+for E = 8..64 (two interleaved runs per form, k = 2..8, T = 1..256); not adopted. Loading 2 or 4
+of a warp's copy units (instead of 1) before step 1, so that the copies of wide rows only store,
+gained nothing where warps copy several units (DeepSeek-V3 T = 128 / 256: 5.64-5.67 / 9.58-9.61
+us with 1, 5.64 / 9.74-9.77 with 2, 5.76-5.78 / 9.56-9.61 with 4: the stores, at ~4 us of bytes,
+are what is left) and cost 0.05-0.4 us elsewhere (three interleaved rounds, graph replay).
 Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
 its dependents start at once) its blocks are resident early and wait for the previous launch
 (griddepcontrol.wait) before any global access: x may be the output of any earlier kernel,
