@@ -96,6 +96,8 @@ class Experts(nn.Module):
         gate_up_proj, down_proj: existing tensors to wrap without copying (optional).
         use_grouped_mm: None = probe the device/dtype; False forces the per-expert loop; True
             skips the probe (the GEMV and quack paths still come first where they apply).
+            Weights in a layout torch._grouped_mm rejects (strided views) take the loop
+            whatever it says; the GEMV and quack paths need contiguous weights.
         backend: kernel backend of the decode GEMV and the quack grouped GEMM ("auto": CuTeDSL
             on CUDA when importable; "reference": never, torch._grouped_mm instead).
     """
@@ -119,12 +121,26 @@ class Experts(nn.Module):
         self.backend = backend
 
     def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether forward takes torch._grouped_mm (else the per-expert loop)."""
-        if self.use_grouped_mm is not None:
-            return self.use_grouped_mm
+        """Whether forward takes torch._grouped_mm (else the per-expert loop): never for weights
+        whose layout it rejects (`_weights_fit_grouped_mm`)."""
+        if self.use_grouped_mm is False or not self._weights_fit_grouped_mm():
+            return False
+        if self.use_grouped_mm:
+            return True
         if dtype != torch.bfloat16 and torch.compiler.is_compiling():
             return False  # torch.compile's _grouped_mm lowering accepts bf16 only
         return self._rows_16b_aligned(dtype) and grouped_mm_supported(device.type, device.index, dtype)
+
+    def _weights_fit_grouped_mm(self) -> bool:
+        """torch._grouped_mm's operand layout for both weights: unit stride in the last dim, the
+        other strides and the storage offset 16-byte aligned (contiguous weights with 16-byte rows
+        qualify; e.g. a view that takes every other input feature does not, and takes the loop).
+        (Strides and offsets only: torch.compile traces this without a graph break.)"""
+        for w in (self.gate_up_proj, self.down_proj):
+            if w.stride(-1) != 1 or any(n * w.element_size() % 16
+                                        for n in (w.storage_offset(), *w.stride()[:-1])):
+                return False
+        return True
 
     def _rows_16b_aligned(self, dtype: torch.dtype) -> bool:
         """torch._grouped_mm needs 16-byte row strides: H and I multiples of 16 bytes."""
@@ -144,7 +160,8 @@ class Experts(nn.Module):
         rows = x.shape[0] if rows is None else rows
         return (rows <= GEMV_MAX_ROWS and 2 * rows <= 3 * self.gate_up_proj.shape[0]
                 and x.dtype in (torch.bfloat16, torch.float16) and self.use_grouped_mm is not False
-                and self._rows_16b_aligned(x.dtype) and self._cute(x.device))
+                and self._rows_16b_aligned(x.dtype) and self.gate_up_proj.is_contiguous()
+                and self.down_proj.is_contiguous() and self._cute(x.device))
 
     def _quack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused

@@ -29,8 +29,11 @@ Differences from the HF module, by design:
       ...), but each replacement's state_dict uses the HF block's names (`gate.weight`,
       `shared_expert_gate.weight`, ...) and its load_state_dict takes them (state_dict hooks,
       `_hf_names`), so `save_pretrained` after the swap writes a checkpoint HF loads as is, and
-      an HF state_dict loads into the swapped model. (Under a multi-rank topology a rank's
-      state_dict holds its own slice of the routed experts.)
+      an HF state_dict loads into the swapped model. The renamed submodules are also reachable
+      under the HF names (`MoELayer.module_aliases`), so every key is an attribute path and
+      torch.distributed.checkpoint's get/set_model_state_dict work. Under a multi-rank topology
+      a rank's state_dict holds only its own slice of the routed experts, so `save_pretrained`
+      there does not give an HF checkpoint: the state_dict warns (UserWarning) when it is taken.
     * `output_router_logits=True`: HF records router logits with forward hooks on its router
       classes, which the swapped model no longer contains; each replacement therefore has a
       forward pre-hook that recomputes its router logits [T, E] (Router.logits, HF's dtype) and
@@ -48,6 +51,7 @@ Differences from the HF module, by design:
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -231,8 +235,9 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
         raise RuntimeError(f"{fam.name}: no HF tensor for {left}")
     layer.train(block.training)
     names = _hf_names(fam, cfg, layer)
-    layer.register_state_dict_post_hook(_rename_keys(names))
-    layer.register_load_state_dict_pre_hook(_rename_keys({hf: ours for ours, hf in names.items()}))
+    layer.register_state_dict_post_hook(_RenameKeys(names, warn_slice=True))
+    layer.register_load_state_dict_pre_hook(_RenameKeys({hf: ours for ours, hf in names.items()}))
+    layer.module_aliases = _hf_module_aliases(fam, layer)
     if _output_collector() is not None:
         layer.register_forward_pre_hook(_record_router_logits, with_kwargs=True)
     return layer
@@ -251,13 +256,41 @@ def _hf_names(fam: _Family, cfg: MoEConfig, layer: MoELayer) -> dict[str, str]:
     return {ours: hf for ours, hf in names.items() if ours != hf}
 
 
-def _rename_keys(names: dict[str, str]):
+def _hf_module_aliases(fam: _Family, layer: MoELayer) -> dict[str, str]:
+    """{HF block attribute: MoELayer submodule} for the submodules that `_hf_names` renames, so
+    every state_dict key is also an attribute path (MoELayer.module_aliases)."""
+    aliases = {"gate": "router"}
+    if layer.shared_expert is not None:
+        if fam.shared != "shared_expert":
+            aliases[fam.shared] = "shared_expert"
+        if layer.config.shared_expert_gate:
+            aliases[fam.shared_gate] = "shared_expert.gate"
+    return aliases
+
+
+class _RenameKeys:
     """A state_dict post-hook / load_state_dict pre-hook (both get (module, state_dict, prefix,
-    ...)) that renames the keys prefix + old to prefix + new for old -> new in `names`."""
-    def hook(module, state_dict, prefix, *args):
-        for old in [k for k in names if prefix + k in state_dict]:
-            state_dict[prefix + names[old]] = state_dict.pop(prefix + old)
-    return hook
+    ...)) that renames the keys prefix + old to prefix + new for old -> new in `names`. A class,
+    not a closure, so that swapped models pickle (torch.save(model)). With `warn_slice`, a layer
+    of a multi-rank topology warns that its state_dict holds only its rank's experts."""
+
+    def __init__(self, names: dict[str, str], warn_slice: bool = False):
+        self.names = names
+        self.warn_slice = warn_slice
+
+    def __call__(self, module, state_dict, prefix, *args):
+        for old in [k for k in self.names if prefix + k in state_dict]:
+            state_dict[prefix + self.names[old]] = state_dict.pop(prefix + old)
+        topo = getattr(module, "topology", None)
+        if self.warn_slice and topo is not None and topo.world_size > 1:
+            r = module.local_expert_range
+            warnings.warn(
+                f"{prefix}experts: the state_dict of a '{topo.name}' MoELayer (rank {topo.rank} "
+                f"of {topo.world_size}) holds only this rank's routed experts [{r.start}, "
+                f"{r.stop}) of {topo.num_experts}; a checkpoint saved from it (save_pretrained) "
+                f"lacks the other ranks' experts and does not load into the HF model. Save from "
+                f"the model before the swap (or from a 'local' swap) for a full HF checkpoint",
+                stacklevel=2)
 
 
 def _output_collector():

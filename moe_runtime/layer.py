@@ -50,6 +50,11 @@ class MoELayer(nn.Module):
     torch.no_grad() to get the CuTeDSL kernels. Under torch.compile the kernels are chosen as
     in inference (the switch is eager-only: dynamo cannot trace it).
 
+    Attributes:
+        module_aliases: {name: submodule path}, other names under which submodules are
+            reachable as attributes (empty unless set; swap_moe_layers sets the HF block's names,
+            e.g. "gate" -> "router", which its state_dict keys use).
+
     Raises:
         ValueError / TypeError: bad config, topology name, or input shape/dtype/device.
     """
@@ -215,6 +220,19 @@ class MoELayer(nn.Module):
         if isinstance(value, nn.Module):  # a replaced submodule: walk the tree again
             self.__dict__.pop("_submodules", None)
         super().__setattr__(name, value)
+
+    def __getattr__(self, name: str):
+        # submodules also reachable under other names (`module_aliases`), e.g. the HF block's
+        # names that a swapped layer's state_dict keys use (hf_swap.py): code that resolves
+        # state_dict keys as attribute paths (torch.distributed.checkpoint, get_parameter)
+        # finds the tensors under either name
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            path = self.__dict__.get("module_aliases", {}).get(name)
+            if path is None:
+                raise
+            return self.get_submodule(path)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

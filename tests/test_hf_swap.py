@@ -382,6 +382,20 @@ def test_multi_rank_topology_shares_this_ranks_slice():
             assert ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
 
 
+def test_multi_rank_state_dict_warns_that_it_holds_one_slice():
+    """save_pretrained of a multi-rank swap would write one rank's experts under HF names: the
+    state_dict warns, naming the rank's range; a local swap does not warn."""
+    model = swap_moe_layers(tiny_model("olmoe"), topology=_HalfOfTheExperts(8))
+    with pytest.warns(UserWarning, match=r"rank 1 of 2\) holds only this rank's routed experts "
+                                         r"\[4, 8\) of 8"):
+        state = model.state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swap_moe_layers(tiny_model("olmoe")).state_dict()
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("hooked_before_swap", [True, False])
 def test_router_logits_and_aux_loss(family, hooked_before_swap):
@@ -498,3 +512,45 @@ def test_state_dict_keeps_hf_names_and_save_pretrained_round_trips(family, norm,
         other = swap_moe_layers(tiny_model(family, norm, seed=7))
         other.load_state_dict(hf_state)
         assert rel_err(other(ids).logits, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_state_dict_keys_are_attribute_paths_and_dcp_round_trips(family):
+    """Every state_dict key of a swapped model (HF names) resolves as an attribute path to the
+    tensor itself (MoELayer.module_aliases), so torch.distributed.checkpoint's model and
+    optimizer state_dict helpers work: a DCP round trip into another swapped model gives the
+    same logits."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict)
+    model = swap_moe_layers(tiny_model(family, True))
+    for key, t in model.state_dict(keep_vars=True).items():
+        mod, _, leaf = key.rpartition(".")
+        assert getattr(model.get_submodule(mod), leaf) is t, key
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    assert layer.gate is layer.router
+    with pytest.raises(AttributeError):
+        MoELayer(layer.config).gate  # a layer built directly has no HF aliases
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    other = swap_moe_layers(tiny_model(family, True, seed=9))
+    with torch.no_grad():
+        assert rel_err(other(ids).logits, model(ids).logits) > 1e-3
+    set_model_state_dict(other, get_model_state_dict(model))
+    with torch.no_grad():
+        assert torch.equal(other(ids).logits, model(ids).logits)
+    opt = torch.optim.AdamW(model.parameters())
+    model(ids).logits.sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    assert sorted(msd) == sorted(model.state_dict())
+    assert len(osd["state"]) == len(list(model.parameters()))
+
+
+def test_swapped_model_pickles(tmp_path):
+    """torch.save / torch.load of a whole swapped model (its state_dict hooks pickle)."""
+    model = swap_moe_layers(tiny_model("qwen2_moe", True))
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    torch.save(model, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    assert sorted(back.state_dict()) == sorted(model.state_dict())

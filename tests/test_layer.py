@@ -240,6 +240,31 @@ def test_experts_unaligned_rows_use_loop():
     torch.testing.assert_close(ex(x, offsets), ref(x, offsets))
 
 
+@pytest.mark.parametrize("use_grouped_mm", [None, True])
+def test_experts_strided_weight_views_use_loop(use_grouped_mm):
+    """Weights torch._grouped_mm rejects (a view taking every other input feature: last stride
+    2) take the per-expert loop, even with use_grouped_mm=True, and give the contiguous answer;
+    so does a layer given such weights by load_expert_weights."""
+    torch.manual_seed(4)
+    gu, dn = torch.randn(3, 10, 16)[..., ::2], torch.randn(3, 8, 5)
+    assert gu.stride(-1) == 2
+    ex = Experts(3, 8, 5, gate_up_proj=gu, down_proj=dn, use_grouped_mm=use_grouped_mm)
+    ref = Experts(3, 8, 5, gate_up_proj=gu.contiguous(), down_proj=dn, use_grouped_mm=False)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    x = torch.randn(9, 8)
+    torch.testing.assert_close(ex(x, offsets), ref(x, offsets))
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
+                    dtype=torch.float32)
+    layer, dense = MoELayer(cfg), MoELayer(cfg)
+    gu, dn = torch.randn(4, 16, 32)[..., ::2], torch.randn(4, 16, 8)
+    layer.load_expert_weights(gu, dn)
+    dense.router.load_state_dict(layer.router.state_dict())
+    dense.load_expert_weights(gu.contiguous(), dn)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), dense(x))
+
+
 def test_layer_rejects_bad_construction_and_dtype_drift():
     cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="'bogus'"):

@@ -80,6 +80,10 @@ class Topology(abc.ABC):
                  *, check_values: bool = True) -> DispatchResult:
         """Validate, then move token rows to their experts (see the module docstring).
 
+        check_values=False skips the host read of the ids (what MoELayer does: its router's ids
+        are valid by construction); the caller then guarantees ids in [0, E), distinct per
+        token: other ids give unspecified results (picks dropped, or an error from a later step).
+
         Raises:
             TypeError: wrong dtypes (x float32/bf16/fp16; topk_ids int32; topk_weights float32).
             ValueError: wrong shapes or devices; with check_values, expert ids outside [0, E)
