@@ -114,7 +114,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_float_in("finite and >= 0.001 (seconds)",
                                                lambda t: math.isfinite(t) and t >= 1e-3),
                    default=300.0,
-                   help="bound on each phase, seconds")
+                   help="bound on each phase (start, load), seconds; generation may run "
+                        "longer while it makes progress within every such interval")
     p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
 
 
@@ -237,11 +238,11 @@ def _terminate(signum, frame):
 
 def _stop_ray() -> None:
     """Stop (embedded) or disconnect from (joined) Ray, even when the engine never finished
-    starting (Ctrl-C inside ray.init)."""
-    if "ray" in sys.modules:
-        import ray
-        if ray.is_initialized():
-            ray.shutdown()
+    starting (Ctrl-C inside ray.init; nothing to do inside `import ray`)."""
+    from .engine.driver import _ray_module
+    ray = _ray_module()
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -361,6 +361,116 @@ def test_ray_address_from_the_environment_is_joined(monkeypatch):
     assert not eng._started_ray
 
 
+def _bare_engine(world_size: int = 2) -> Engine:
+    eng = Engine.__new__(Engine)
+    eng.world_size, eng.timeout_s, eng._started_ray = world_size, 30.0, False
+    eng.workers, eng.placement_group = [], None
+    return eng
+
+
+def test_signal_inside_ray_init_is_an_interrupt_and_stops_the_half_started_ray(monkeypatch):
+    """ray.init's own SIGTERM handler exits (SystemExit) when the signal lands inside it: the
+    engine raises KeyboardInterrupt instead (the CLI's exit 130) and its shutdown stops the
+    Ray it was starting, though ray.is_initialized() never became True."""
+    stopped = []
+
+    def init(**kw):
+        raise SystemExit(15)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+    eng = _bare_engine()
+    with pytest.raises(KeyboardInterrupt, match="signal during ray.init"):
+        eng._start_ray(None, "cpu", {})
+    eng.shutdown()
+    eng.shutdown()  # idempotent
+    assert stopped == [True]
+
+
+def test_signal_inside_import_ray_shuts_down_quietly(monkeypatch):
+    """A signal inside `import ray` leaves a partial module in sys.modules: the engine's and the
+    CLI's clean-up must not touch it (it raised AttributeError, hiding the interrupt)."""
+    import sys
+    import types
+
+    from moe_runtime.cli import _stop_ray
+    partial = types.ModuleType("ray")
+    partial.__spec__ = types.SimpleNamespace(_initializing=True)
+    monkeypatch.setitem(sys.modules, "ray", partial)
+    eng = _bare_engine()
+    eng._started_ray = True
+    eng.shutdown()
+    _stop_ray()
+
+
+def test_interrupt_during_a_call_kills_the_ranks_at_once(monkeypatch):
+    """Ctrl-C while the ranks run a call (generate): their actors are killed right away, since
+    they would take shutdown's call only after the running one (the CLI waited 10 s)."""
+    from types import SimpleNamespace
+    killed = []
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ray, "wait", interrupted)
+    eng = _bare_engine()
+    method = SimpleNamespace(remote=lambda *a, **kw: object())
+    eng.workers = [SimpleNamespace(generate=method) for _ in range(2)]
+    monkeypatch.setattr(eng, "_kill_workers", lambda: killed.append(True))
+    with pytest.raises(KeyboardInterrupt):
+        eng._call_all("generate", "generate")
+    assert killed == [True]
+
+
+def test_generate_runs_past_timeout_while_it_progresses(engines):
+    """timeout_s bounds generate's time without progress, not its length: with a bound far
+    below the generation's time the ranks finish (the driver reads their step counts)."""
+    eng = engines(2, "tp")
+    saved = eng.timeout_s
+    eng.timeout_s = 0.2
+    try:
+        t0 = time.monotonic()
+        out = eng.generate(["Hello"], SamplingParams(max_new_tokens=400))
+        took = time.monotonic() - t0
+    finally:
+        eng.timeout_s = saved
+    assert took > 1.0 and len(out.completions[0].token_ids) > 1  # several bounds long
+
+
+def test_generate_without_progress_times_out_naming_the_ranks(monkeypatch):
+    """Step counts that stop advancing end the call after one timeout_s without progress: a
+    RankError naming the stuck ranks, every actor killed."""
+    from types import SimpleNamespace
+    main = [object(), object()]
+    counts = iter([3, 3, 5, 5, 5, 5, 5, 5])  # (ranks 0, 1 per query) advances twice, then stops
+    progress_refs = set()
+
+    def remote_progress():
+        ref = object()
+        progress_refs.add(ref)
+        return ref
+
+    def wait(refs, num_returns=1, timeout=None):
+        if all(r in progress_refs for r in refs):
+            return list(refs), []
+        time.sleep(timeout)
+        return [], list(refs)
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", lambda ref: next(counts))
+    eng = _bare_engine()
+    eng.timeout_s = 0.2
+    refs = iter(main)
+    eng.workers = [SimpleNamespace(generate=SimpleNamespace(remote=lambda *a, **kw: next(refs)),
+                                   progress=SimpleNamespace(remote=remote_progress))
+                   for _ in range(2)]
+    killed = []
+    monkeypatch.setattr(eng, "_kill_workers", lambda: killed.append(True))
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0 failed during generate: TimeoutError: ranks "
+                                        r"\[0, 1\] made no progress for 0.2s"):
+        eng._call_all("generate", "generate", progress=True)
+    assert killed == [True] and 0.5 < time.monotonic() - t0 < 5  # two bounds extended it once
+
+
 def test_check_prompts_names_the_prompt(ckpt):
     from moe_runtime.engine.driver import check_prompts
     from moe_runtime.models import read_spec
@@ -405,6 +515,18 @@ def test_checkpoint_without_weights_fails_before_ray_starts(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="no weights: neither model.safetensors nor "
                                               "model.safetensors.index.json"):
         Engine(cfg_only, world_size=1, topology="local")
+    assert ray.is_initialized() == started
+
+
+def test_checkpoint_with_a_missing_shard_fails_before_ray_starts(tmp_path):
+    """The index names a shard that is not there: CheckpointError in Engine(), before Ray."""
+    from moe_runtime.models import CheckpointError
+    d = make_checkpoint(str(tmp_path / "mixtral"), "mixtral", "tiny", max_shard_size="100KB")
+    shard = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[-1]
+    os.remove(os.path.join(d, shard))
+    started = ray.is_initialized()
+    with pytest.raises(CheckpointError, match=f"names shard '{shard}', which is missing"):
+        Engine(d, world_size=1, topology="local")
     assert ray.is_initialized() == started
 
 

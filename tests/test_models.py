@@ -135,6 +135,71 @@ def test_missing_tensor_error_names_tensor_and_files(ckpts, tmp_path, arch):
         load_model(d, progress=False)
 
 
+def _edit_config(model_dir: str, **kw) -> None:
+    path = os.path.join(model_dir, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(kw)
+    json.dump(cfg, open(path, "w"))
+
+
+def test_tied_config_with_a_different_lm_head_uses_it_like_hf(ckpts, tmp_path):
+    """config.json ties the embeddings but the checkpoint stores an lm_head.weight that differs:
+    it is used untied (HF's rule), with a warning, and greedy output equals HF's; an lm_head
+    equal to the embeddings stays tied, silently."""
+    d = str(tmp_path / "tieflip")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    _edit_config(d, tie_word_embeddings=True)
+    with pytest.warns(UserWarning, match="lm_head.weight differs from model.embed_tokens.weight"):
+        model = load_model(d, progress=False)
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        lm_head, embed = f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
+    assert model.lm_head is not None and torch.equal(model.lm_head.weight, lm_head)
+    out = run_requests(model, encode(d, PROMPTS[:2]), range(2), SamplingParams(max_new_tokens=6),
+                       stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS[:2], 6)
+    _rewrite_tensor(d, "lm_head.weight", embed.clone())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_model(d, progress=False).lm_head is None
+
+
+def test_unused_checkpoint_tensors_are_named_in_a_warning(ckpts, tmp_path):
+    """Tensors no rank reads (a layer config.json no longer has, a stray key) are listed; a
+    complete checkpoint, and rank 0 of 2 (the other rank's experts), load without a warning."""
+    import warnings
+    d = str(tmp_path / "fewer_layers")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    _edit_config(d, num_hidden_layers=1)
+    _rewrite_tensor(d, "foo.bar", torch.zeros(3))
+    with pytest.warns(UserWarning, match=r"checkpoint tensor\(s\) are not used .*foo\.bar.*"
+                                         r"model\.layers\.1\.input_layernorm\.weight"):
+        load_model(d, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(ckpts["mixtral"], progress=False)  # sharded, all tensors used
+        load_model(ckpts["qwen3-moe"], Parallel("dp_nvlink", 0, 2), progress=False)
+
+
+def test_sharded_index_errors_name_the_files(ckpts, tmp_path):
+    """An index without a weight_map, and an index that names the wrong shard for a tensor,
+    raise CheckpointError naming the index / the shard."""
+    d = str(tmp_path / "badindex")
+    shutil.copytree(ckpts["mixtral"], d)
+    index = os.path.join(d, "model.safetensors.index.json")
+    data = json.load(open(index))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    other = next(f for f in sorted(set(data["weight_map"].values())) if f != data["weight_map"][key])
+    data["weight_map"][key] = other
+    json.dump(data, open(index, "w"))
+    with pytest.raises(CheckpointError, match=f"tensor '{key}' is not in {os.path.join(d, other)}, "
+                                              "the shard model.safetensors.index.json names"):
+        load_model(d, progress=False)
+    json.dump({"metadata": {}}, open(index, "w"))
+    with pytest.raises(CheckpointError, match=f"{index}: not a safetensors index .*weight_map"):
+        load_model(d, progress=False)
+
+
 def test_truncated_safetensors_file_is_named(ckpts, tmp_path):
     d = str(tmp_path / "truncated")
     shutil.copytree(ckpts["qwen3-moe"], d)

@@ -136,14 +136,18 @@ def check_weights(model_dir: str) -> None:
     model.safetensors nor model.safetensors.index.json (e.g. a config-only checkpoint from
     `moe-runtime make-checkpoint --preset qwen3-30b-a3b` without --force).
 
+    Also reads the index (or the single file's header): an index that is not a safetensors
+    index or names a missing shard, and an unreadable single file, fail here too.
+
     Raises:
-        CheckpointError: naming the directory and both file names.
+        CheckpointError: naming the directory and both file names, or the bad file.
     """
-    from ..models.loader import INDEX_FILE, SINGLE_FILE, CheckpointError
+    from ..models.loader import INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE)):
         raise CheckpointError(f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} "
                               "(a config-only checkpoint, e.g. make-checkpoint --preset qwen3-30b-a3b "
                               "without --force, cannot generate)")
+    CheckpointReader(model_dir).close()
 
 
 def load_tokenizer(model_dir: str):
@@ -184,7 +188,9 @@ class Engine:
             warning, and the placement waits up to timeout_s (an autoscaler may add GPU nodes).
         dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
         backend: kernel backend ("auto", "reference", "cute").
-        timeout_s: bound on every phase (placement, rendezvous, collectives, load, generate).
+        timeout_s: bound on every phase (placement, rendezvous, collectives, load); generate
+            may take longer as long as its ranks make progress (a forward pass) within every
+            timeout_s.
         progress: tqdm bars while loading (shown through Ray's log forwarding).
         ray_init_kwargs: extra ray.init arguments for the embedded start.
 
@@ -256,6 +262,10 @@ class Engine:
         saved_term = signal.getsignal(signal.SIGTERM) if main_thread else None
         try:
             self._init_ray(ray, address, device, extra)
+        except SystemExit as e:
+            # ray.init's own SIGTERM handlers exit (sys.exit) when the signal lands inside it:
+            # an interruption like any other (the caller shuts down what was started)
+            raise KeyboardInterrupt(f"signal during ray.init ({e})") from None
         finally:
             if saved_term is not None:
                 signal.signal(signal.SIGTERM, saved_term)
@@ -283,8 +293,8 @@ class Engine:
                     kw["num_cpus"] = self.world_size
                     kw["num_gpus"] = 0
             kw.update(extra)
+            self._started_ray = True  # (before: an interrupted ray.init leaves processes to stop)
             ray.init(**kw)
-            self._started_ray = True
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
         if use_gpu and gpus < self.world_size:
@@ -301,7 +311,7 @@ class Engine:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .worker import RankWorker
+        from .worker import PROGRESS_GROUP, RankWorker
         bundle = {"GPU": 1} if self.device == "cuda" else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
                                                strategy="PACK")
@@ -310,7 +320,8 @@ class Engine:
             raise TimeoutError(f"could not place {self.world_size} ranks of {bundle} within "
                                f"{self.timeout_s:g}s; cluster resources: {ray.cluster_resources()}")
         opts = dict(num_cpus=0, num_gpus=1) if self.device == "cuda" else dict(num_cpus=1, num_gpus=0)
-        actor = ray.remote(max_restarts=0, max_task_retries=0, **opts)(RankWorker)
+        actor = ray.remote(max_restarts=0, max_task_retries=0,
+                           concurrency_groups={PROGRESS_GROUP: 1}, **opts)(RankWorker)
         self.workers = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self.placement_group, placement_group_bundle_index=r)).remote(
             r, self.world_size, self.device) for r in range(self.world_size)]
@@ -338,9 +349,13 @@ class Engine:
 
     # -- waiting on ranks -----------------------------------------------------------------------
     def _call_all(self, method: str, what: str, *args, ranks: Optional[Sequence[int]] = None,
-                  per_rank_args: Optional[Sequence[tuple]] = None, **kwargs) -> list:
+                  per_rank_args: Optional[Sequence[tuple]] = None, progress: bool = False,
+                  **kwargs) -> list:
         """Call `method` on the ranks, wait for all with the bound, return results in rank order.
 
+        The bound is timeout_s for the whole call; with `progress` (generate), timeout_s without
+        progress: when it runs out, the ranks still working are asked for their step count
+        (RankWorker.progress) and another timeout_s starts if any of them advanced.
         On the first failure: pick the root cause (an error that is not a peer's collective
         failure, when one arrives within a short grace period), kill everything, raise RankError.
         """
@@ -352,21 +367,49 @@ class Engine:
             refs[getattr(self.workers[r], method).remote(*a, **kwargs)] = r
         results: dict[int, object] = {}
         deadline = time.monotonic() + self.timeout_s
-        while refs:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                stuck = sorted(refs.values())
-                self._kill_workers()
-                raise RankError(stuck[0], what, f"TimeoutError: ranks {stuck} did not finish within "
-                                f"{self.timeout_s:g}s")
-            ready, _ = ray.wait(list(refs), num_returns=1, timeout=min(left, 1.0))
-            for ref in ready:
-                r = refs.pop(ref)
-                try:
-                    results[r] = ray.get(ref)
-                except Exception as e:  # RayTaskError (the rank raised) or RayActorError (died)
-                    raise self._fail(r, what, e, refs) from None
+        steps: dict[int, int] = {}
+        try:
+            while refs:
+                left = deadline - time.monotonic()
+                if left <= 0 and progress and self._advanced(sorted(refs.values()), steps):
+                    deadline = time.monotonic() + self.timeout_s
+                    continue
+                if left <= 0:
+                    stuck = sorted(refs.values())
+                    self._kill_workers()
+                    bound = "made no progress for" if progress else "did not finish within"
+                    raise RankError(stuck[0], what, f"TimeoutError: ranks {stuck} {bound} "
+                                    f"{self.timeout_s:g}s")
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=min(left, 1.0))
+                for ref in ready:
+                    r = refs.pop(ref)
+                    try:
+                        results[r] = ray.get(ref)
+                    except Exception as e:  # RayTaskError (the rank raised) or RayActorError (died)
+                        raise self._fail(r, what, e, refs) from None
+        except (KeyboardInterrupt, SystemExit):
+            # interrupted while ranks still run this call: they would take no other call (e.g.
+            # shutdown's) before it ends, so they are killed now
+            self._kill_workers()
+            raise
         return [results[r] for r in ranks]
+
+    def _advanced(self, ranks: list[int], steps: dict[int, int]) -> bool:
+        """Whether any of `ranks` did more steps than recorded in `steps` (updated); a rank
+        that does not answer within min(timeout_s, 10 s) counts as not advanced."""
+        import ray
+        refs = {self.workers[r].progress.remote(): r for r in ranks}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=min(self.timeout_s, 10.0))
+        advanced = False
+        for ref in ready:
+            r = refs[ref]
+            try:
+                n = ray.get(ref)
+            except Exception:  # the rank died: the main wait reports it
+                continue
+            advanced |= n > steps.get(r, 0)
+            steps[r] = n
+        return advanced
 
     def _fail(self, rank: int, what: str, err: Exception, pending: dict) -> RankError:
         """Choose the root failure among the ranks, kill the actors, build the RankError."""
@@ -436,7 +479,8 @@ class Engine:
         owners = assign_requests([len(p) for p in prompt_ids], self.world_size, dp)
         per_rank = [([list(prompt_ids[i]) for i in own], own, params, sorted(stop),
                      (fail_at_step or {}).get(r)) for r, own in enumerate(owners)]
-        outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank)
+        outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank,
+                                                progress=True)
         by_request: dict[int, tuple[list[int], str]] = {}
         for o in (outs if dp else outs[:1]):
             for i, toks, why in zip(o.request_ids, o.token_ids, o.finish_reasons):
@@ -470,8 +514,11 @@ class Engine:
 
     def shutdown(self) -> None:
         """Leave the process group on every rank (best effort, bounded), kill the actors, remove
-        the placement group, and stop Ray if this engine started it. Idempotent."""
-        import ray
+        the placement group, and stop Ray if this engine started it (also when its ray.init
+        was interrupted halfway). Idempotent."""
+        ray = _ray_module()
+        if ray is None:  # interrupted inside `import ray`: nothing was started
+            return
         if self.workers and ray.is_initialized():
             try:
                 ray.wait([w.shutdown.remote() for w in self.workers],
@@ -480,8 +527,8 @@ class Engine:
                 pass
         if ray.is_initialized():
             self._kill_workers()
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
+        if self._started_ray:
+            ray.shutdown()  # (safe on a Ray that never finished starting)
         self._started_ray = False
 
     def __enter__(self):
@@ -489,6 +536,16 @@ class Engine:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _ray_module():
+    """The ray module, or None when it is not (completely) imported: a signal inside `import ray`
+    leaves a partial module behind."""
+    import sys
+    ray = sys.modules.get("ray")
+    if ray is None or getattr(getattr(ray, "__spec__", None), "_initializing", False):
+        return None  # (importlib marks a module whose import is still running)
+    return ray if hasattr(ray, "is_initialized") and hasattr(ray, "shutdown") else None
 
 
 def _cause(err: Exception) -> BaseException:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -76,7 +76,8 @@ def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.T
 
 def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[int],
                  params: SamplingParams, stop_ids: Sequence[int], *,
-                 fail_at_step: Optional[int] = None) -> RankOutput:
+                 fail_at_step: Optional[int] = None,
+                 on_step: Optional[Callable[[int], None]] = None) -> RankOutput:
     """Prefill, then decode in lockstep with the other ranks, on this rank's requests.
 
     Args:
@@ -86,6 +87,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         params: SamplingParams.
         stop_ids: token ids that finish a request.
         fail_at_step: testing aid: raise RuntimeError at this decode step (fault tests).
+        on_step: called with the number of forward passes done (1 after prefill, then one more
+            per decode step): the rank's progress (RankWorker.progress).
 
     Returns:
         RankOutput. finish_reasons: "stop" (a stop token) or "length" (max_new_tokens).
@@ -117,6 +120,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     logits = model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev), cache)
     _sync(dev)
     out.prefill_s = time.perf_counter() - t0
+    if on_step is not None:
+        on_step(1)
 
     t0 = time.perf_counter()
     active = torch.ones(B, dtype=torch.bool)
@@ -139,6 +144,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
                        zeros, cache)
         lengths += active.to(torch.int64)
         out.steps += 1
+        if on_step is not None:
+            on_step(out.steps + 1)
     _sync(dev)
     out.decode_s = time.perf_counter() - t0
     out.decode_tokens = sum(max(len(t) - 1, 0) for t in out.token_ids)

@@ -11,7 +11,12 @@ import os
 import socket
 from typing import Optional, Sequence
 
+import ray
 import torch
+
+# the concurrency group of `progress`, which the driver declares on the actor
+# (ray.remote(concurrency_groups=...)): it answers while `generate` runs
+PROGRESS_GROUP = "progress"
 
 
 class RankWorker:
@@ -32,6 +37,7 @@ class RankWorker:
         self.group = None
         self.timeout_s: Optional[float] = None
         self.model = None
+        self.steps = 0  # forward passes of the running (or last) generate
 
     def pid(self) -> int:
         """This actor's process id (tests check that the process is gone after shutdown)."""
@@ -80,7 +86,18 @@ class RankWorker:
         from .scheduler import run_requests
         if self.model is None:
             raise RuntimeError(f"rank {self.rank}: no model loaded")
-        return run_requests(self.model, prompts, request_ids, params, stop_ids, fail_at_step=fail_at_step)
+        self.steps = 0
+        return run_requests(self.model, prompts, request_ids, params, stop_ids,
+                            fail_at_step=fail_at_step, on_step=self._count)
+
+    def _count(self, steps: int) -> None:
+        self.steps = steps
+
+    @ray.method(concurrency_group=PROGRESS_GROUP)
+    def progress(self) -> int:
+        """Forward passes of the running (or last) generate; runs beside it (its own
+        concurrency group), so the driver can tell a long generation from a stuck one."""
+        return self.steps
 
     def shutdown(self) -> None:
         """Leave the process group (best effort)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 from contextlib import ExitStack
 from dataclasses import replace
 from typing import Callable, Optional, Union
@@ -92,8 +94,13 @@ class CheckpointReader:
     Args:
         model_dir: holds model.safetensors, or model.safetensors.index.json and its shards.
 
+    Attributes:
+        weight_map: {tensor name: file} of the whole checkpoint.
+        read_keys: the tensor names `read` was asked for so far.
+
     Raises:
-        CheckpointError: neither file exists, or the index names a shard that is missing.
+        CheckpointError: neither file exists, the index is not a JSON object with a
+            `weight_map`, or it names a shard that is missing.
     """
 
     def __init__(self, model_dir: str):
@@ -102,11 +109,20 @@ class CheckpointReader:
         self.model_dir = model_dir
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
+        self._keys: dict[str, set[str]] = {}  # the tensor names in each opened file
         index = os.path.join(model_dir, INDEX_FILE)
         single = os.path.join(model_dir, SINGLE_FILE)
+        self.read_keys: set[str] = set()  # every key `read` was asked for
         if os.path.isfile(index):
-            with open(index) as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+                if not isinstance(self.weight_map, dict):
+                    raise TypeError(f"weight_map is a {type(self.weight_map).__name__}")
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a "
+                                      f"'weight_map' of tensor name -> shard file): "
+                                      f"{type(e).__name__}: {e}") from e
             for fname in sorted(set(self.weight_map.values())):
                 if not os.path.isfile(os.path.join(model_dir, fname)):
                     raise CheckpointError(f"{index} names shard {fname!r}, which is missing")
@@ -124,6 +140,7 @@ class CheckpointReader:
     def close(self) -> None:
         self._stack.close()
         self._handles.clear()
+        self._keys.clear()
 
     def _open(self, fname: str):
         if fname not in self._handles:
@@ -134,6 +151,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{path}: not a readable safetensors file "
                                       f"({type(e).__name__}: {e})") from e
             self._handles[fname] = self._stack.enter_context(handle)
+            self._keys[fname] = set(handle.keys())
         return self._handles[fname]
 
     def has(self, key: str) -> bool:
@@ -147,7 +165,8 @@ class CheckpointReader:
             a CPU tensor in the checkpoint's dtype (only the slice is read from disk).
 
         Raises:
-            CheckpointError: the tensor is missing (names the files searched), or its shape in
+            CheckpointError: the tensor is missing (names the files searched) or not in the
+                shard the index names for it (names the shard), or its shape in
                 the file differs from `shape` or it is stored in a dtype other than F32, BF16,
                 F16 (e.g. FP8 or int quantized weights; names the tensor, the file and the dtype).
         """
@@ -156,7 +175,12 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint in "
                                   f"{self.model_dir} (searched {', '.join(files)})")
         fname = self.weight_map[key]
-        sl = self._open(fname).get_slice(key)
+        self.read_keys.add(key)
+        handle = self._open(fname)
+        if key not in self._keys[fname]:
+            raise CheckpointError(f"tensor {key!r} is not in {os.path.join(self.model_dir, fname)}, "
+                                  f"the shard {INDEX_FILE} names for it")
+        sl = handle.get_slice(key)
         got = tuple(sl.get_shape())
         if got != tuple(shape):
             raise CheckpointError(f"tensor {key!r} in {os.path.join(self.model_dir, fname)} has "
@@ -252,6 +276,11 @@ def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, d
     Returns:
         MoECausalLM in inference mode (no grads), RoPE buffers initialized.
 
+    Warns (UserWarning, as HF transformers' from_pretrained logs them): on rank 0, checkpoint
+    tensors no rank uses (e.g. more layers than config.json's num_hidden_layers); and, when
+    config.json ties the embeddings but the checkpoint's lm_head.weight differs from them, that
+    lm_head.weight is used untied (HF's rule).
+
     Raises:
         CheckpointError: missing tensor, shape mismatch or a stored dtype other than F32 / BF16 /
             F16 (names the tensor and the file).
@@ -261,14 +290,50 @@ def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, d
     from tqdm.auto import tqdm
 
     spec, arch = read_spec(model_dir, dtype)
-    with torch.device("meta"):
-        model = MoECausalLM(spec, parallel)
     state = {}
     with CheckpointReader(model_dir) as reader:
+        spec = _untie_if_lm_head_differs(spec, reader)
+        with torch.device("meta"):
+            model = MoECausalLM(spec, parallel)
         loaders = _tensor_loaders(model, arch, reader)
         desc = f"rank {parallel.rank}: loading {os.path.basename(os.path.normpath(model_dir))}"
         for name, load in tqdm(loaders.items(), desc=desc, unit="tensor", disable=not progress):
             state[name] = load().to(device=device, dtype=spec.dtype)
+        if parallel.rank == 0:
+            _warn_unused(reader, spec, arch)
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers()
     return model.eval()
+
+
+def _untie_if_lm_head_differs(spec: ModelSpec, reader: CheckpointReader) -> ModelSpec:
+    """config.json ties lm_head to embed_tokens but the checkpoint also stores an lm_head.weight
+    that differs: use it untied, with a warning (what HF transformers' from_pretrained does)."""
+    if not (spec.tie_word_embeddings and reader.has("lm_head.weight")):
+        return spec
+    shape = (spec.vocab_size, spec.hidden_size)
+    if torch.equal(reader.read("lm_head.weight", shape), reader.read("model.embed_tokens.weight", shape)):
+        return spec
+    warnings.warn(f"{reader.model_dir}: config.json has tie_word_embeddings=true, but the "
+                  f"checkpoint's lm_head.weight differs from model.embed_tokens.weight: they are "
+                  f"not tied and lm_head.weight is used (as HF transformers does)", stacklevel=3)
+    return replace(spec, tie_word_embeddings=False)
+
+
+def _warn_unused(reader: CheckpointReader, spec: ModelSpec, arch: Architecture) -> None:
+    """Warn (rank 0) about checkpoint tensors no rank reads: keys that are neither read here nor
+    another rank's experts (per-expert keys of an existing layer and expert), e.g. the layers
+    of a checkpoint with more layers than config.json's num_hidden_layers."""
+    pattern = re.compile(r"model\.layers\.(\d+)\.(?:%s)\.experts\.(\d+)\."
+                         % "|".join(map(re.escape, arch.moe_block_names)))
+
+    def other_ranks(key: str) -> bool:
+        m = pattern.match(key)
+        return m is not None and int(m[1]) < spec.num_layers and int(m[2]) < spec.moe.num_experts
+
+    unused = sorted(k for k in reader.weight_map if k not in reader.read_keys and not other_ranks(k))
+    if unused:
+        more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
+        warnings.warn(f"{reader.model_dir}: {len(unused)} checkpoint tensor(s) are not used by "
+                      f"the model config.json describes: {', '.join(unused[:8])}{more}",
+                      stacklevel=3)
