@@ -135,12 +135,20 @@ class Experts(nn.Module):
         """torch._grouped_mm's operand layout for both weights: unit stride in the last dim, the
         other strides and the storage offset 16-byte aligned (contiguous weights with 16-byte rows
         qualify; e.g. a view that takes every other input feature does not, and takes the loop).
-        (Strides and offsets only: torch.compile traces this without a graph break.)"""
+        The CuTeDSL GEMV and quack need these too, and contiguity. Under torch.compile only the
+        strides are checked (dynamo cannot trace storage_offset in a fullgraph)."""
+        compiling = torch.compiler.is_compiling()
         for w in (self.gate_up_proj, self.down_proj):
-            if w.stride(-1) != 1 or any(n * w.element_size() % 16
-                                        for n in (w.storage_offset(), *w.stride()[:-1])):
+            offset = 0 if compiling else w.storage_offset()
+            if w.stride(-1) != 1 or any(n * w.element_size() % 16 for n in (offset, *w.stride()[:-1])):
                 return False
         return True
+
+    def _weights_contiguous_aligned(self) -> bool:
+        """Contiguous weights at a 16-byte aligned offset (the CuTeDSL GEMV and quack read them
+        so; others take the next path)."""
+        return (self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous()
+                and self._weights_fit_grouped_mm())
 
     def _rows_16b_aligned(self, dtype: torch.dtype) -> bool:
         """torch._grouped_mm needs 16-byte row strides: H and I multiples of 16 bytes."""
@@ -160,8 +168,8 @@ class Experts(nn.Module):
         rows = x.shape[0] if rows is None else rows
         return (rows <= GEMV_MAX_ROWS and 2 * rows <= 3 * self.gate_up_proj.shape[0]
                 and x.dtype in (torch.bfloat16, torch.float16) and self.use_grouped_mm is not False
-                and self._rows_16b_aligned(x.dtype) and self.gate_up_proj.is_contiguous()
-                and self.down_proj.is_contiguous() and self._cute(x.device))
+                and self._rows_16b_aligned(x.dtype) and self._weights_contiguous_aligned()
+                and self._cute(x.device))
 
     def _quack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused
@@ -169,9 +177,8 @@ class Experts(nn.Module):
         Not under torch.compile: quack traces only its autotuned variant there, so compiled
         graphs keep torch._grouped_mm."""
         return (self.use_grouped_mm is not False and not torch.compiler.is_compiling()
-                and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous()
-                and self._rows_16b_aligned(dtype) and self._cute(device)
-                and quack_supported(device.index, dtype))
+                and self._weights_contiguous_aligned() and self._rows_16b_aligned(dtype)
+                and self._cute(device) and quack_supported(device.index, dtype))
 
     def forward(self, expert_x: torch.Tensor, expert_offsets: torch.Tensor,
                 expected_rows: int | None = None) -> torch.Tensor:

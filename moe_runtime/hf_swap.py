@@ -31,7 +31,10 @@ Differences from the HF module, by design:
       `_hf_names`), so `save_pretrained` after the swap writes a checkpoint HF loads as is, and
       an HF state_dict loads into the swapped model. The renamed submodules are also reachable
       under the HF names (`MoELayer.module_aliases`), so every key is an attribute path and
-      torch.distributed.checkpoint's get/set_model_state_dict work. Under a multi-rank topology
+      torch.distributed.checkpoint's get/set_model_state_dict work on the model itself. Not
+      under DDP, FSDP2 or a torch.compile wrapper: those walk the parameters' own names, which
+      stay MoELayer's (`router.weight`, where the state_dict says `gate.weight`); optimizer
+      state dicts use those names too. Under a multi-rank topology
       a rank's state_dict holds only its own slice of the routed experts, so `save_pretrained`
       there does not give an HF checkpoint: the state_dict warns (UserWarning) when it is taken.
     * `output_router_logits=True`: HF records router logits with forward hooks on its router
@@ -284,8 +287,8 @@ class _RenameKeys:
         topo = getattr(module, "topology", None)
         if self.warn_slice and topo is not None and topo.world_size > 1:
             r = module.local_expert_range
-            warnings.warn(
-                f"{prefix}experts: the state_dict of a '{topo.name}' MoELayer (rank {topo.rank} "
+            warnings.warn(  # (the same text for every layer: shown once under the default filter)
+                f"the state_dict of a '{topo.name}' MoELayer (rank {topo.rank} "
                 f"of {topo.world_size}) holds only this rank's routed experts [{r.start}, "
                 f"{r.stop}) of {topo.num_experts}; a checkpoint saved from it (save_pretrained) "
                 f"lacks the other ranks' experts and does not load into the HF model. Save from "

@@ -52,8 +52,9 @@ class MoELayer(nn.Module):
 
     Attributes:
         module_aliases: {name: submodule path}, other names under which submodules are
-            reachable as attributes (empty unless set; swap_moe_layers sets the HF block's names,
-            e.g. "gate" -> "router", which its state_dict keys use).
+            reachable as attributes, for reading and assignment (empty unless set;
+            swap_moe_layers sets the HF block's names, e.g. "gate" -> "router", which its
+            state_dict keys use).
 
     Raises:
         ValueError / TypeError: bad config, topology name, or input shape/dtype/device.
@@ -62,6 +63,7 @@ class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, *, topology: str | Topology = "local", group=None,
                  backend: str = "auto", align: int = 1, device=None):
         super().__init__()
+        self.module_aliases: dict[str, str] = {}
         self.config = config
         check_backend_name(backend)
         if not isinstance(topology, (str, Topology)):
@@ -217,6 +219,11 @@ class MoELayer(nn.Module):
         return any(m._forward_hooks or m._forward_pre_hooks for m in subs)
 
     def __setattr__(self, name, value):
+        path = self.__dict__.get("module_aliases", {}).get(name)
+        if path is not None:  # an alias: set the submodule it names
+            parent, _, leaf = path.rpartition(".")
+            setattr(self.get_submodule(parent) if parent else self, leaf, value)
+            return
         if isinstance(value, nn.Module):  # a replaced submodule: walk the tree again
             self.__dict__.pop("_submodules", None)
         super().__setattr__(name, value)

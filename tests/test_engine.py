@@ -387,6 +387,41 @@ def test_signal_inside_ray_init_is_an_interrupt_and_stops_the_half_started_ray(m
     assert stopped == [True]
 
 
+def test_ctrl_c_inside_ray_init_is_held_until_it_returns(monkeypatch):
+    """SIGINT while ray.init runs is raised as KeyboardInterrupt only after it returned (an
+    interrupt inside Ray's start-up left its agents running), and the handler is restored."""
+    import signal
+    started = []
+
+    def init(**kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # (the handler runs here, between bytecodes)
+        started.append(True)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    before = signal.getsignal(signal.SIGINT)
+    eng = _bare_engine()
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C during ray.init"):
+        eng._start_ray(None, "cpu", {})
+    assert started == [True] and eng._started_ray and signal.getsignal(signal.SIGINT) is before
+
+
+def test_load_warnings_of_the_ranks_reach_the_driver(ray_session, ckpt, tmp_path):
+    """A rank's loader warning (an unused checkpoint tensor) is raised by the driver (Ray
+    forwards a worker's stderr only asynchronously, after the output at times)."""
+    from safetensors.torch import load_file, save_file
+    d = str(tmp_path / "extra")
+    shutil.copytree(ckpt, d)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    tensors["foo.bar"] = torch.zeros(3)
+    save_file(tensors, path)
+    with pytest.warns(UserWarning, match=r"not used .*foo\.bar.* \(rank 0\)"):
+        eng = Engine(d, world_size=1, topology="local", progress=False)
+    eng.shutdown()
+
+
 def test_signal_inside_import_ray_shuts_down_quietly(monkeypatch):
     """A signal inside `import ray` leaves a partial module in sys.modules: the engine's and the
     CLI's clean-up must not touch it (it raised AttributeError, hiding the interrupt)."""

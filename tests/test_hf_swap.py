@@ -528,8 +528,14 @@ def test_state_dict_keys_are_attribute_paths_and_dcp_round_trips(family):
         assert getattr(model.get_submodule(mod), leaf) is t, key
     layer = next(m for m in model.modules() if isinstance(m, MoELayer))
     assert layer.gate is layer.router
+    plain = MoELayer(layer.config)
+    assert plain.module_aliases == {}
     with pytest.raises(AttributeError):
-        MoELayer(layer.config).gate  # a layer built directly has no HF aliases
+        plain.gate  # a layer built directly has no HF aliases
+    router = copy.deepcopy(layer.router)  # assigning through an alias replaces the target
+    layer.gate = router
+    assert layer.router is router and "gate" not in layer._modules
+    assert layer.state_dict(keep_vars=True)["gate.weight"] is router.weight
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
     other = swap_moe_layers(tiny_model(family, True, seed=9))
     with torch.no_grad():

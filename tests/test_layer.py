@@ -302,6 +302,22 @@ def test_torch_compile_fp32_on_cpu():
     torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph_bf16_on_cpu(dynamic):
+    """A bf16 layer compiles into one graph (no break: the path choice traces, e.g. the weight
+    layout check) and matches eager within bf16 rounding."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    cfg = MoEConfig(hidden_size=32, num_experts=8, top_k=2, moe_intermediate_size=16,
+                    dtype=torch.bfloat16)
+    layer = MoELayer(cfg, backend="reference")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    with torch.no_grad():
+        for T in (10, 7):
+            x = torch.randn(T, 32, dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
+
+
 def test_expert_gemv_reference_equals_experts_forward():
     """kernels/reference.expert_gemv (the GEMV kernel's semantics) == Experts in fp32."""
     torch.manual_seed(3)

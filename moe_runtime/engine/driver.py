@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -260,6 +261,13 @@ class Engine:
         # program's own handler (the CLI turns SIGTERM into a clean shutdown).
         main_thread = threading.current_thread() is threading.main_thread()
         saved_term = signal.getsignal(signal.SIGTERM) if main_thread else None
+        # Ctrl-C inside ray.init is held until it returns: an interrupt inside Ray's node or
+        # core-worker start-up left its agents running (and could crash the process at exit);
+        # once ray.init has returned, the caller's shutdown stops everything it started
+        held: list[int] = []
+        saved_int = signal.getsignal(signal.SIGINT) if main_thread else None
+        if main_thread:
+            signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
         try:
             self._init_ray(ray, address, device, extra)
         except SystemExit as e:
@@ -269,6 +277,11 @@ class Engine:
         finally:
             if saved_term is not None:
                 signal.signal(signal.SIGTERM, saved_term)
+            if main_thread:  # (None: a handler not set from Python; Python's own then)
+                signal.signal(signal.SIGINT, saved_int if saved_int is not None
+                              else signal.default_int_handler)
+        if held:
+            raise KeyboardInterrupt("Ctrl-C during ray.init")
 
     def _init_ray(self, ray, address: Optional[str], device: str, extra: dict) -> None:
         if address is None and not ray.is_initialized():
@@ -346,6 +359,13 @@ class Engine:
         self.rank_info = self._call_all("load", f"loading {self.model_dir} ({name})", self.model_dir,
                                         name, self.dtype, self.backend, self.progress)
         self.topology, self.topology_reason = name, reason
+        ranks: dict[str, list[int]] = {}  # the ranks' load warnings, each text once
+        for info in self.rank_info:
+            for text in info.get("warnings", []):
+                ranks.setdefault(text, []).append(info["rank"])
+        for text, rs in ranks.items():
+            warnings.warn(f"{text} (rank{'s' if len(rs) > 1 else ''} "
+                          f"{', '.join(map(str, rs))})", stacklevel=3)
 
     # -- waiting on ranks -----------------------------------------------------------------------
     def _call_all(self, method: str, what: str, *args, ranks: Optional[Sequence[int]] = None,

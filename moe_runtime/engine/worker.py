@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Optional, Sequence
 
 import ray
@@ -67,18 +68,24 @@ class RankWorker:
 
     def load(self, model_dir: str, topology: str, dtype: str = "auto", backend: str = "auto",
              progress: bool = True) -> dict:
-        """Build and load this rank's model for `topology`; returns a short description."""
+        """Build and load this rank's model for `topology`; returns a short description, with
+        the warnings the load raised (the driver shows them: Ray forwards a worker's stderr
+        only asynchronously)."""
         from ..models import Parallel, load_model
         self.model = None
         parallel = Parallel(topology, self.rank, self.world_size, self.group, backend, self.timeout_s)
-        self.model = load_model(model_dir, parallel, dtype=dtype, device=self.device, progress=progress)
+        with warnings.catch_warnings(record=True) as caught:  # (the driver shows them)
+            warnings.simplefilter("always")
+            self.model = load_model(model_dir, parallel, dtype=dtype, device=self.device,
+                                    progress=progress)
         layer = next((l.mlp for l in self.model.layers if hasattr(l.mlp, "local_expert_range")), None)
         experts = layer.local_expert_range if layer is not None else range(0)
         sh = self.model.shard
         return {"rank": self.rank, "experts": [experts.start, experts.stop],
                 "q_heads": [sh.q_start, sh.q_start + sh.q_heads],
                 "kv_heads": [sh.kv_start, sh.kv_start + sh.kv_heads],
-                "eos_token_ids": list(self.model.spec.eos_token_ids)}
+                "eos_token_ids": list(self.model.spec.eos_token_ids),
+                "warnings": list(dict.fromkeys(str(w.message) for w in caught))}
 
     def generate(self, prompts: Sequence[Sequence[int]], request_ids: Sequence[int], params,
                  stop_ids: Sequence[int], fail_at_step: Optional[int] = None):
