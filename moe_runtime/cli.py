@@ -100,6 +100,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "experts partitioned; the default) or tensor-parallel attention")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=32,
                    help="tokens generated per prompt")
+    p.add_argument("--max-batch-size", type=_int_at_least(1), default=64,
+                   help="prompts run together (each rank's KV cache is sized for one batch); "
+                        "more are run in consecutive batches")
     p.add_argument("--temperature", type=_float_in("a finite number >= 0", lambda t: math.isfinite(t) and t >= 0),
                    default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0,
@@ -217,7 +220,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
                         ray_address=args.ray_address, device=args.device, dtype=args.dtype,
                         timeout_s=args.timeout, progress=not args.no_progress)
         print(f"loaded {model_dir} on {engine.world_size} {engine.device} rank(s)", flush=True)
-        print_result(engine.generate(prompts, params))
+        print_result(engine.generate(prompts, params, max_batch_size=args.max_batch_size))
         return 0
     except KeyboardInterrupt:
         print("interrupted: shutting down the ranks", file=sys.stderr, flush=True)

@@ -209,6 +209,7 @@ def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     (["--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
     (["--max-new-tokens", "-5"], "argument --max-new-tokens: must be >= 1, got -5"),
     (["--max-new-tokens", "2.5"], "argument --max-new-tokens: must be an integer, got '2.5'"),
+    (["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1, got 0"),
     (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
     (["--timeout", "0"], "argument --timeout: must be finite and >= 0.001 (seconds), got 0"),

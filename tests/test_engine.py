@@ -127,6 +127,25 @@ def test_seeded_sampling_is_the_same_on_every_topology(engines):
     assert greedy != runs["local"]
 
 
+@pytest.mark.parametrize("world_size,topology", [(1, "local"), (2, "dp_p2p")])
+def test_batches_of_prompts_give_the_same_completions(engines, reference, world_size, topology):
+    """max_batch_size splits the prompts into consecutive batches: seeded and greedy completions
+    are the same as in one batch (per-request seeds), and the token counts add up."""
+    eng = engines(world_size, topology)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.95, seed=11)
+    whole = eng.generate(PROMPTS, params)
+    split = eng.generate(PROMPTS, params, max_batch_size=2)
+    assert ids_of(split) == ids_of(whole)
+    assert split.prefill_tokens == whole.prefill_tokens
+    assert split.decode_tokens == whole.decode_tokens
+    assert len(split.per_rank) == 3 * world_size  # 5 prompts: batches of 2, 2, 1
+    assert ids_of(eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW),
+                               max_batch_size=1)) == reference
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+            eng.generate(PROMPTS, params, max_batch_size=bad)
+
+
 def test_mixtral_tp_equals_hf_generate(ray_session, tmp_path):
     d = make_checkpoint(str(tmp_path / "mixtral"), "mixtral", "tiny", max_shard_size="100KB")
     with Engine(d, world_size=2, topology="tp", progress=False) as eng:

@@ -456,6 +456,7 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str], params: SamplingParams = SamplingParams(), *,
+                 max_batch_size: Optional[int] = None,
                  fail_at_step: Optional[dict[int, int]] = None) -> GenerationResult:
         """Generate a completion for every prompt.
 
@@ -463,6 +464,10 @@ class Engine:
             prompts: a list of texts (a single str is one prompt), tokenized with the checkpoint's tokenizer, no special tokens added
                 beyond what the tokenizer adds by default).
             params: SamplingParams.
+            max_batch_size: run the prompts in consecutive batches of at most this many (each
+                rank's KV cache is sized for its batch: a long prompt list in one batch may not
+                fit in memory); None: one batch. Completions do not depend on it (per-request
+                seeds, see SamplingParams).
             fail_at_step: testing aid, {rank: decode step}: that rank raises at that step.
 
         Returns:
@@ -472,22 +477,27 @@ class Engine:
             RankError: a rank failed (all actors are gone afterwards; the engine is unusable).
             TypeError: params not a SamplingParams, or one whose max_new_tokens / seed was set
                 to a non-int after construction (nothing reaches the ranks; the engine lives on).
-            ValueError: an empty prompt, a token id outside the vocabulary, or prompt +
-                max_new_tokens over max_position_embeddings.
+            ValueError: an empty prompt, a token id outside the vocabulary, prompt +
+                max_new_tokens over max_position_embeddings, or max_batch_size < 1.
         """
         if isinstance(prompts, str):
             prompts = [prompts]  # one prompt, as vLLM's LLM.generate takes it
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
-        return self.generate_ids(ids, params, prompts=prompts, fail_at_step=fail_at_step)
+        return self.generate_ids(ids, params, prompts=prompts, max_batch_size=max_batch_size,
+                                 fail_at_step=fail_at_step)
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
                      *, prompts: Optional[Sequence[str]] = None,
+                     max_batch_size: Optional[int] = None,
                      fail_at_step: Optional[dict[int, int]] = None) -> GenerationResult:
         """Like generate() with token ids; `prompts` only labels the completions."""
         if not self.workers:
             raise RuntimeError("the engine is shut down")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(
+                max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be an int >= 1 or None, got {max_batch_size!r}")
         params.validate()  # a field changed after construction must not reach (and kill) the ranks
         check_prompts(prompt_ids, self.spec, params.max_new_tokens)
         stop = params.stop_token_ids
@@ -496,24 +506,32 @@ class Engine:
             if self.tokenizer.eos_token_id is not None:
                 stop.add(int(self.tokenizer.eos_token_id))
         dp = self.topology.startswith("dp_")
-        owners = assign_requests([len(p) for p in prompt_ids], self.world_size, dp)
-        per_rank = [([list(prompt_ids[i]) for i in own], own, params, sorted(stop),
-                     (fail_at_step or {}).get(r)) for r, own in enumerate(owners)]
-        outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank,
-                                                progress=True)
+        n = len(prompt_ids)
+        size = n if max_batch_size is None else max_batch_size
         by_request: dict[int, tuple[list[int], str]] = {}
-        for o in (outs if dp else outs[:1]):
-            for i, toks, why in zip(o.request_ids, o.token_ids, o.finish_reasons):
-                by_request[i] = (toks, why)
+        batches: list[list[RankOutput]] = []
+        for start in range(0, max(n, 1), max(size, 1)):
+            chunk = range(start, min(start + size, n))
+            owners = assign_requests([len(prompt_ids[i]) for i in chunk], self.world_size, dp)
+            per_rank = [([list(prompt_ids[chunk[i]]) for i in own], [chunk[i] for i in own], params,
+                         sorted(stop), (fail_at_step or {}).get(r)) for r, own in enumerate(owners)]
+            outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank,
+                                                    progress=True)
+            for o in (outs if dp else outs[:1]):
+                for i, toks, why in zip(o.request_ids, o.token_ids, o.finish_reasons):
+                    by_request[i] = (toks, why)
+            batches.append(outs)
         labels = list(prompts) if prompts is not None else [self.tokenizer.decode(p) for p in prompt_ids]
         completions = [Completion(labels[i], self.tokenizer.decode(by_request[i][0], skip_special_tokens=True),
-                                  by_request[i][0], by_request[i][1]) for i in range(len(prompt_ids))]
-        counted = outs if dp else outs[:1]
+                                  by_request[i][0], by_request[i][1]) for i in range(n)]
+        counted = [o for outs in batches for o in (outs if dp else outs[:1])]
         return GenerationResult(
             completions, self.topology, self.topology_reason, self.world_size,
             prefill_tokens=sum(o.prefill_tokens for o in counted),
-            prefill_s=max(o.prefill_s for o in outs), decode_tokens=sum(o.decode_tokens for o in counted),
-            decode_s=max(o.decode_s for o in outs), per_rank=outs)
+            prefill_s=sum(max(o.prefill_s for o in outs) for outs in batches),
+            decode_tokens=sum(o.decode_tokens for o in counted),
+            decode_s=sum(max(o.decode_s for o in outs) for outs in batches),
+            per_rank=[o for outs in batches for o in outs])
 
     # -- shutdown -------------------------------------------------------------------------------
     def _kill_workers(self) -> None:
