@@ -240,7 +240,7 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     names = _hf_names(fam, cfg, layer)
     layer.register_state_dict_post_hook(_RenameKeys(names, warn_slice=True))
     layer.register_load_state_dict_pre_hook(_RenameKeys({hf: ours for ours, hf in names.items()}))
-    layer.module_aliases = _hf_module_aliases(fam, layer)
+    layer.module_aliases = _module_aliases(names)
     if _output_collector() is not None:
         layer.register_forward_pre_hook(_record_router_logits, with_kwargs=True)
     return layer
@@ -259,15 +259,17 @@ def _hf_names(fam: _Family, cfg: MoEConfig, layer: MoELayer) -> dict[str, str]:
     return {ours: hf for ours, hf in names.items() if ours != hf}
 
 
-def _hf_module_aliases(fam: _Family, layer: MoELayer) -> dict[str, str]:
-    """{HF block attribute: MoELayer submodule} for the submodules that `_hf_names` renames, so
-    every state_dict key is also an attribute path (MoELayer.module_aliases)."""
-    aliases = {"gate": "router"}
-    if layer.shared_expert is not None:
-        if fam.shared != "shared_expert":
-            aliases[fam.shared] = "shared_expert"
-        if layer.config.shared_expert_gate:
-            aliases[fam.shared_gate] = "shared_expert.gate"
+def _module_aliases(names: dict[str, str]) -> dict[str, str]:
+    """{HF attribute: MoELayer submodule path} from `_hf_names`' key pairs (each without the
+    trailing part the two keys share, e.g. router.weight / gate.weight -> gate: router), so
+    every renamed state_dict key is also an attribute path (MoELayer.module_aliases)."""
+    aliases = {}
+    for ours, hf in names.items():
+        o, h = ours.split("."), hf.split(".")
+        while len(o) > 1 and len(h) > 1 and o[-1] == h[-1]:
+            o.pop()
+            h.pop()
+        aliases[".".join(h)] = ".".join(o)
     return aliases
 
 

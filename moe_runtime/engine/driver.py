@@ -507,10 +507,10 @@ class Engine:
                 stop.add(int(self.tokenizer.eos_token_id))
         dp = self.topology.startswith("dp_")
         n = len(prompt_ids)
-        size = n if max_batch_size is None else max_batch_size
+        size = max_batch_size or max(n, 1)
         by_request: dict[int, tuple[list[int], str]] = {}
         batches: list[list[RankOutput]] = []
-        for start in range(0, max(n, 1), max(size, 1)):
+        for start in range(0, max(n, 1), size):  # (no prompts: one call, every rank idle)
             chunk = range(start, min(start + size, n))
             owners = assign_requests([len(prompt_ids[i]) for i in chunk], self.world_size, dp)
             per_rank = [([list(prompt_ids[chunk[i]]) for i in own], [chunk[i] for i in own], params,
@@ -583,7 +583,7 @@ def _ray_module():
     ray = sys.modules.get("ray")
     if ray is None or getattr(getattr(ray, "__spec__", None), "_initializing", False):
         return None  # (importlib marks a module whose import is still running)
-    return ray if hasattr(ray, "is_initialized") and hasattr(ray, "shutdown") else None
+    return ray
 
 
 def _cause(err: Exception) -> BaseException:
