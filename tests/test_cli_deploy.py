@@ -184,13 +184,20 @@ def test_ray_job_submit_runs_the_deploy_entry(ckpt, short_tmp):
         env=env, capture_output=True, text=True, timeout=120)
     try:
         assert start.returncode == 0, start.stdout + start.stderr
-        job = subprocess.run(
-            ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--",
-             "python", "-m", "moe_runtime.deploy", "--model", ckpt, "--world-size", "2",
-             "--prompt", "Hello", "--prompt", "The quick brown fox", "--max-new-tokens", "6",
-             "--no-progress"],
-            env=env, capture_output=True, text=True, timeout=300)
-        out = job.stdout + job.stderr
+        # `ray start` returns before the head's job module has seen the dashboard agent; a submit
+        # in that window is refused with "No available agent" (no job created), as on a cluster.
+        deadline = time.monotonic() + 120
+        while True:
+            job = subprocess.run(
+                ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--",
+                 "python", "-m", "moe_runtime.deploy", "--model", ckpt, "--world-size", "2",
+                 "--prompt", "Hello", "--prompt", "The quick brown fox", "--max-new-tokens", "6",
+                 "--no-progress"],
+                env=env, capture_output=True, text=True, timeout=300)
+            out = job.stdout + job.stderr
+            if "No available agent to submit job" not in out or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert job.returncode == 0, out
         assert "succeeded" in out, out
         assert "topology: dp_p2p (world size 2)" in out and "[1] completion: " in out, out
