@@ -9,6 +9,7 @@ from torch import nn
 
 from .kernels import get_ops, resolve_backend
 from .kernels.grouped_gemm import grouped_gemm, quack_supported, swiglu_grouped_gemm
+from .param_checks import check_replacement
 
 # When Experts uses the CuTeDSL expert GEMV instead of the grouped GEMM on CUDA: each row re-reads
 # its expert's weights, so it wins while rows are few and mostly on distinct experts. Measured by
@@ -96,7 +97,8 @@ class Experts(nn.Module):
         gate_up_proj, down_proj: existing tensors to wrap without copying (optional).
         use_grouped_mm: None = probe the device/dtype; False forces the per-expert loop; True
             skips the probe (the GEMV and quack paths still come first where they apply).
-            Weights in a layout torch._grouped_mm rejects (strided views) take the loop
+            Weights in a layout torch._grouped_mm rejects (strided views), and fp16 / fp32
+            under torch.compile (its _grouped_mm lowering takes bf16 only), take the loop
             whatever it says; the GEMV and quack paths need contiguous weights.
         backend: kernel backend of the decode GEMV and the quack grouped GEMM ("auto": CuTeDSL
             on CUDA when importable; "reference": never, torch._grouped_mm instead).
@@ -120,15 +122,19 @@ class Experts(nn.Module):
         self.use_grouped_mm = use_grouped_mm
         self.backend = backend
 
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)  # the weights keep their shape and dtype
+        super().__setattr__(name, value)
+
     def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether forward takes torch._grouped_mm (else the per-expert loop): never for weights
         whose layout it rejects (`_weights_fit_grouped_mm`)."""
         if self.use_grouped_mm is False or not self._weights_fit_grouped_mm():
             return False
-        if self.use_grouped_mm:
-            return True
         if dtype != torch.bfloat16 and torch.compiler.is_compiling():
             return False  # torch.compile's _grouped_mm lowering accepts bf16 only
+        if self.use_grouped_mm:
+            return True
         return self._rows_16b_aligned(dtype) and grouped_mm_supported(device.type, device.index, dtype)
 
     def _weights_fit_grouped_mm(self) -> bool:
@@ -233,6 +239,10 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
         self.gate = nn.Linear(hidden_size, 1, **kw) if gated else None
+
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)  # a replaced projection keeps its weight's shape
+        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -44,8 +44,18 @@ Differences from the HF module, by design:
       without it the hook is not installed). The hook sits on the MoELayer itself, outside its
       CUDA graphs (`enable_cuda_graphs`), so the logits come from the real rows on every call and
       the replays stay on. The cost is one extra router GEMM, only on calls that ask for them.
-    * A shared expert of width 0 (DeepSeek-V3 `n_shared_experts=0`: HF keeps an empty MLP that
-      adds zeros) becomes no shared expert.
+    * A shared expert of width 0 (DeepSeek-V3 `n_shared_experts=0`, Qwen2-MoE
+      `shared_expert_intermediate_size=0`: HF keeps an empty MLP, and Qwen2-MoE its [1, H] gate,
+      that add zeros) stays a zero-width `SharedExpert` holding those tensors (it adds zeros
+      too; config.shared_expert_intermediate_size is 0), so the state_dict keeps HF's keys.
+    * The replacement registers its submodules in the HF block's order (`gate` -> router,
+      `experts`, shared expert), so `model.parameters()` keeps HF's order and an optimizer
+      state_dict saved before the swap (index-based, e.g. HF Trainer's optimizer.pt) resumes.
+    * Only plain HF blocks are swapped: every submodule must be a class of the family's
+      modeling file, exactly torch.nn.Linear, or the activation. A block holding adapter or
+      quantization wrappers (PEFT LoRA / ParamWrapper, bitsandbytes, ...) raises ValueError,
+      since the swap takes the plain weights and would drop what the wrapper adds: apply PEFT
+      after the swap (outside the routed experts) or merge it first (`merge_and_unload`).
     * Exactly tied router scores pick the smaller expert id (the CuTeDSL router's rule, kept by
       the reference); torch.topk in HF may pick either, so a bf16 model can route a rare tied
       token differently.
@@ -61,6 +71,7 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
+from .experts import SharedExpert
 from .layer import MoELayer
 
 _MODELS = "transformers.models"
@@ -130,8 +141,9 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
         ValueError: the model holds an MoE block (a module with an `experts` child) of a class
             not in the module docstring's table (the message names it and lists the supported
             ones), a supported block that deviates from the supported form (activation other than
-            SiLU, unfused or biased experts, pre-5.0 transformers layout), a block whose weights
-            are on the meta device (not loaded yet), or no MoE block at all.
+            SiLU, unfused or biased experts, pre-5.0 transformers layout, a submodule of another
+            class such as a PEFT adapter wrapper), a block whose weights are on the meta device
+            (not loaded yet), or no MoE block at all.
             Nothing is replaced when it raises. Errors of MoELayer / the topology pass through.
     """
     bad = sorted(set(kw) - set(_LAYER_KWARGS))
@@ -180,8 +192,25 @@ def _is_silu(act) -> bool:
     return isinstance(act, (SiLUActivation, nn.SiLU))
 
 
+def _check_plain(fam: _Family, block: nn.Module) -> None:
+    """ValueError unless every submodule of `block` is a class of the family's modeling file,
+    exactly torch.nn.Linear (wrappers that subclass it add behavior the swap would drop) or an
+    activation (transformers.activations, torch.nn's; `_config` then requires SiLU)."""
+    activations = ("transformers.activations", "torch.nn.modules.activation")
+    foreign = [f"{name} ({type(m).__module__}.{type(m).__name__})"
+               for name, m in block.named_modules()
+               if type(m).__module__ not in (fam.module, *activations) and type(m) is not nn.Linear]
+    if foreign:
+        raise ValueError(
+            f"{fam.name} block {type(block).__name__}: submodule(s) {', '.join(foreign[:4])} are "
+            "not the HF block's own classes (adapter or quantization wrappers, e.g. PEFT LoRA); "
+            "the swap takes the plain weights and would drop what they add. Apply PEFT after "
+            "swap_moe_layers (outside the routed experts) or merge it first (merge_and_unload)")
+
+
 def _config(fam: _Family, block: nn.Module) -> MoEConfig:
     """MoEConfig of one HF block, read from its modules (not from the model config)."""
+    _check_plain(fam, block)
     router, experts = block.gate, block.experts
     where = f"{fam.name} block {type(block).__name__}"
     if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
@@ -227,12 +256,16 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     if cfg.use_correction_bias:
         layer.router.e_score_correction_bias = block.gate.e_score_correction_bias
     layer.load_expert_weights(block.experts.gate_up_proj, block.experts.down_proj)
-    if layer.shared_expert is not None:
+    if fam.shared is not None:
+        if layer.shared_expert is None:  # an empty HF MLP (width 0): kept for its keys
+            layer.shared_expert = SharedExpert(cfg.hidden_size, 0, gated=fam.shared_gate is not None,
+                                               dtype=cfg.dtype, device="meta")
         mlp = getattr(block, fam.shared)
         for name in _MLP_NAMES:
             getattr(layer.shared_expert, name).weight = getattr(mlp, name).weight
-        if cfg.shared_expert_gate:
+        if layer.shared_expert.gate is not None:
             layer.shared_expert.gate.weight = getattr(block, fam.shared_gate).weight
+    _order_like(layer, block)
     left = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
     if left:  # every tensor must come from the HF block
         raise RuntimeError(f"{fam.name}: no HF tensor for {left}")
@@ -254,9 +287,20 @@ def _hf_names(fam: _Family, cfg: MoEConfig, layer: MoELayer) -> dict[str, str]:
     if layer.shared_expert is not None:
         for n in _MLP_NAMES:
             names[f"shared_expert.{n}.weight"] = f"{fam.shared}.{n}.weight"
-        if cfg.shared_expert_gate:
+        if layer.shared_expert.gate is not None:
             names["shared_expert.gate.weight"] = f"{fam.shared_gate}.weight"
     return {ours: hf for ours, hf in names.items() if ours != hf}
+
+
+def _order_like(layer: MoELayer, block: nn.Module) -> None:
+    """Reorder the layer's submodules as the HF block's children they replace (HF `gate` is the
+    router, the shared expert gate lives in the shared expert), so parameters() and state_dict()
+    list the tensors in HF's order."""
+    ours = {"gate": "router", "experts": "experts", "shared_expert": "shared_expert",
+            "shared_experts": "shared_expert"}
+    order = [ours[n] for n in block._modules if n in ours and layer._modules.get(ours[n]) is not None]
+    for name in dict.fromkeys(order + list(layer._modules)):
+        layer._modules[name] = layer._modules.pop(name)
 
 
 def _module_aliases(names: dict[str, str]) -> dict[str, str]:
@@ -284,8 +328,11 @@ class _RenameKeys:
         self.warn_slice = warn_slice
 
     def __call__(self, module, state_dict, prefix, *args):
-        for old in [k for k in self.names if prefix + k in state_dict]:
-            state_dict[prefix + self.names[old]] = state_dict.pop(prefix + old)
+        # every key under prefix is taken out and put back, renamed where named, so the keys
+        # keep their order (a state_dict post-hook sees this module's keys last)
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            state_dict[prefix + self.names.get(rest, rest)] = state_dict.pop(key)
         topo = getattr(module, "topology", None)
         if self.warn_slice and topo is not None and topo.world_size > 1:
             r = module.local_expert_range

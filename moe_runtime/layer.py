@@ -10,8 +10,21 @@ from .config import MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
 from .kernels import _log_once, check_backend_name, differentiable_kernels, resolve_backend
+from .param_checks import check_layer_submodule
 from .routing import Router
 from .topologies.base import Topology
+
+
+_registrations = [0]  # submodules and parameters registered on any module so far: a layer's
+# cached walks of its tree (`MoELayer._tree`) are redone when it moved
+
+
+def _count_registration(module: nn.Module, name: str, value) -> None:
+    _registrations[0] += 1
+
+
+nn.modules.module.register_module_module_registration_hook(_count_registration)
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
 class MoELayer(nn.Module):
@@ -64,6 +77,10 @@ class MoELayer(nn.Module):
                  backend: str = "auto", align: int = 1, device=None):
         super().__init__()
         self.module_aliases: dict[str, str] = {}
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a moe_runtime.MoEConfig, got {type(config).__module__}."
+                            f"{type(config).__name__} (for an HF transformers model, use "
+                            "swap_moe_layers, which reads the MoEConfig from each block)")
         self.config = config
         check_backend_name(backend)
         if not isinstance(topology, (str, Topology)):
@@ -213,10 +230,22 @@ class MoELayer(nn.Module):
         the graphs and do not count."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return True
-        subs = self.__dict__.get("_submodules")  # (the walk cost ~5 us per call: cached)
-        if subs is None:
-            subs = self.__dict__["_submodules"] = tuple(m for m in self.modules() if m is not self)
-        return any(m._forward_hooks or m._forward_pre_hooks for m in subs)
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self._tree()[0])
+
+    def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, torch.Tensor], ...]]:
+        """(submodules, (name, weight) pairs that must be in config.dtype), cached until a
+        submodule or parameter is registered anywhere (a nested one may have been replaced:
+        layer.shared_expert.gate_proj = ...): the walk costs ~10 us, a call of forward ~1 us.
+        A DeepSeek-V3 router may keep its weight in fp32 (HF's _keep_in_fp32_modules_strict;
+        config.router_logits_fp32); the correction bias is an fp32 buffer."""
+        seen, tree = self.__dict__.get("_tree_cache", (-1, None))
+        if seen != _registrations[0]:
+            subs = tuple(m for m in self.modules() if m is not self)
+            weights = tuple((n, p) for n, p in self.named_parameters()
+                            if not (n == "router.weight" and self.config.router_logits_fp32))
+            tree = (subs, weights)
+            self.__dict__["_tree_cache"] = (_registrations[0], tree)
+        return tree
 
     def __setattr__(self, name, value):
         path = self.__dict__.get("module_aliases", {}).get(name)
@@ -224,8 +253,8 @@ class MoELayer(nn.Module):
             parent, _, leaf = path.rpartition(".")
             setattr(self.get_submodule(parent) if parent else self, leaf, value)
             return
-        if isinstance(value, nn.Module):  # a replaced submodule: walk the tree again
-            self.__dict__.pop("_submodules", None)
+        if "config" in self.__dict__:
+            check_layer_submodule(self, name, value)
         super().__setattr__(name, value)
 
     def __getattr__(self, name: str):
@@ -270,13 +299,12 @@ class MoELayer(nn.Module):
         if hidden_states.device != self.experts.gate_up_proj.device:
             raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights are on "
                              f"{self.experts.gate_up_proj.device}")
-        # (a DeepSeek-V3 router may keep its weight in fp32: HF's _keep_in_fp32_modules_strict)
-        if self.experts.gate_up_proj.dtype != c.dtype or (
-                not c.router_logits_fp32 and self.router.weight.dtype != c.dtype):
-            raise TypeError(f"the layer's parameters are {self.experts.gate_up_proj.dtype} but its "
-                            f"config.dtype is {c.dtype}: build it with MoEConfig(dtype=...) instead "
-                            f"of casting it with .to(dtype); for a swapped HF model, cast the "
-                            f"model BEFORE swap_moe_layers")
+        cast = self._cast_parameter()
+        if cast is not None:
+            raise TypeError(f"the layer's parameter {cast[0]} is {cast[1]} but its config.dtype is "
+                            f"{c.dtype}: build it with MoEConfig(dtype=...) instead of casting it "
+                            f"with .to(dtype); for a swapped HF model, cast the model BEFORE "
+                            f"swap_moe_layers")
         if hidden_states.dtype != c.dtype:
             raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, c.hidden_size)
@@ -300,6 +328,12 @@ class MoELayer(nn.Module):
             # silently wrong, so the output's backward raises instead
             y = _NoBackward.apply(y, self.topology.name, x, *self.parameters())
         return y.view(hidden_states.shape)
+
+    def _cast_parameter(self) -> Optional[tuple[str, torch.dtype]]:
+        """(name, dtype) of the first weight not in config.dtype (e.g. after `.half()` on the
+        layer or a submodule), else None."""
+        dtype = self.config.dtype
+        return next(((n, w.dtype) for n, w in self._tree()[1] if w.dtype != dtype), None)
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
         """Gradients enabled and the input or a parameter requires grad."""

@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .kernels import get_ops, resolve_backend
+from .param_checks import check_replacement
 
 
 # When Router.logits uses the CuTeDSL GEMV (cute_ops.linear_gemv) instead of F.linear: at most
@@ -47,6 +48,10 @@ class Router(nn.Module):
                                  torch.zeros(config.num_experts, dtype=torch.float32, device=device))
         else:
             self.e_score_correction_bias = None
+
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)  # weight keeps [E, H], the bias [E]
+        super().__setattr__(name, value)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype (fp32

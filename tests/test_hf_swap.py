@@ -455,17 +455,71 @@ def test_deepseek_router_weight_kept_in_fp32_in_a_bf16_model():
     assert (out - ref).abs().max() / ref.abs().max() < 2e-2
 
 
-def test_deepseek_v3_without_shared_experts():
-    """n_shared_experts=0: HF keeps an empty shared MLP (adds zeros); the swap has none."""
-    model = tiny_model("deepseek_v3", True, n_shared_experts=0)
+@pytest.mark.parametrize("family,over", [("deepseek_v3", {"n_shared_experts": 0}),
+                                         ("qwen2_moe", {"shared_expert_intermediate_size": 0})])
+def test_zero_width_shared_expert_keeps_hf_keys(family, over):
+    """An empty HF shared MLP (width 0; Qwen2-MoE keeps its [1, H] gate) adds zeros: the swap
+    keeps it as a zero-width SharedExpert, so state_dicts load strictly both ways."""
+    model = tiny_model(family, True, **over)
+    plain = copy.deepcopy(model)
+    hf_sd = model.state_dict()
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         ref = model(ids).logits
         swap_moe_layers(model)
         out = model(ids).logits
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    assert len(layers) == 2 and all(m.shared_expert is None for m in layers)
+    assert len(layers) == 2 and all(m.config.shared_expert_intermediate_size == 0 for m in layers)
+    assert all(m.shared_expert.down_proj.weight.shape == (32, 0) for m in layers)
     assert rel_err(out, ref) <= 1e-5
+    assert list(model.state_dict()) == list(hf_sd)
+    model.load_state_dict(hf_sd, strict=True)
+    plain.load_state_dict(model.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_parameter_and_key_order_kept(family):
+    """parameters() and state_dict() list the same tensors in HF's order after the swap (an
+    optimizer state_dict saved before it, index-based, resumes on the right tensors)."""
+    model = tiny_model(family)
+    params, keys = [p.data_ptr() for p in model.parameters()], list(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 64, (2, 5))).logits.square().mean().backward()
+    opt.step()
+    saved = opt.state_dict()
+    swap_moe_layers(model)
+    assert [p.data_ptr() for p in model.parameters()] == params
+    assert list(model.state_dict()) == keys
+    resumed = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    resumed.load_state_dict(saved)
+    model(torch.randint(0, 64, (2, 5))).logits.square().mean().backward()
+    resumed.step()  # shapes line up (a mismatch raises inside AdamW)
+
+
+class _LoraLikeLinear(nn.Linear):
+    """A wrapper that adds to nn.Linear's output, as PEFT's LoRA layers do."""
+
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+def test_blocks_with_wrapped_submodules_are_refused():
+    """The swap takes plain weights: a block holding an adapter-like subclass of nn.Linear (in
+    the shared expert) or another class in place of the experts raises, naming it, and
+    nothing is replaced."""
+    model = tiny_model("qwen2_moe")
+    mlp = hf_blocks(model)[1].shared_expert
+    wrapped = _LoraLikeLinear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    wrapped.weight = mlp.up_proj.weight
+    mlp.up_proj = wrapped
+    with pytest.raises(ValueError, match=r"shared_expert.up_proj \(.*_LoraLikeLinear\).*merge"):
+        swap_moe_layers(model)
+    assert len(hf_blocks(model)) == 2
+    model = tiny_model("qwen3_moe")
+    block = hf_blocks(model)[0]
+    block.experts = nn.ModuleDict({"base_layer": block.experts})
+    with pytest.raises(ValueError, match=r"experts \(torch.nn.modules.container.ModuleDict\)"):
+        swap_moe_layers(model)
 
 
 def test_router_logits_with_cuda_graphs_match_eager_on_every_call():

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from hypothesis import given, settings, strategies as st
 
 from moe_runtime import MoEConfig, MoELayer
@@ -313,9 +314,75 @@ def test_torch_compile_fullgraph_bf16_on_cpu(dynamic):
     layer = MoELayer(cfg, backend="reference")
     compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
     with torch.no_grad():
-        for T in (10, 7):
+        for T in (10, 7, 0):  # (T = 0: no data-dependent read of the empty counts)
             x = torch.randn(T, 32, dtype=torch.bfloat16)
             torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
+
+
+def test_torch_compile_forced_grouped_mm_fp32_takes_the_loop():
+    """use_grouped_mm=True in fp32 runs torch._grouped_mm eagerly, but torch.compile's lowering
+    takes bf16 only: compiled, the experts take the per-expert loop instead of failing."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    cfg = MoEConfig(hidden_size=32, num_experts=8, top_k=2, moe_intermediate_size=16,
+                    dtype=torch.float32)
+    layer = MoELayer(cfg, backend="reference")
+    layer.experts.use_grouped_mm = True
+    x = torch.randn(10, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_config_must_be_a_moe_config():
+    from transformers import Qwen3MoeConfig
+    for bad in ({"hidden_size": 32}, Qwen3MoeConfig()):
+        with pytest.raises(TypeError, match=r"config must be a moe_runtime.MoEConfig, got .*swap_moe_layers"):
+            MoELayer(bad)
+
+
+def _shared_layer() -> MoELayer:
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
+                    dtype=torch.float32, shared_expert_intermediate_size=8, shared_expert_gate=True)
+    return MoELayer(cfg, backend="reference")
+
+
+def test_replaced_weights_and_submodules_must_fit_the_config():
+    """A tensor or submodule assigned after construction keeps the config's sizes and dtype
+    (else routing to experts that do not exist, or dropped tokens, without an error); a
+    replacement that fits is used."""
+    layer = _shared_layer()
+    x = torch.randn(5, 16)
+    with pytest.raises(ValueError, match=r"Router.weight must keep its shape \(4, 16\).*\(6, 16\)"):
+        layer.router.weight = nn.Parameter(torch.randn(6, 16))
+    with pytest.raises(TypeError, match=r"Experts.down_proj must keep its dtype torch.float32"):
+        layer.experts.down_proj = nn.Parameter(layer.experts.down_proj.half())
+    with pytest.raises(ValueError, match=r"MoELayer.experts must match the layer's config: weight \(4, 16, 16\)"):
+        layer.experts = Experts(2, 16, 8, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"MoELayer.experts must be a Experts .*ModuleDict"):
+        layer.experts = nn.ModuleDict({"base_layer": layer.experts})
+    with pytest.raises(ValueError, match=r"SharedExpert.up_proj.weight must keep its shape \(8, 16\)"):
+        layer.shared_expert.up_proj = nn.Linear(16, 4, bias=False)
+    with pytest.raises(TypeError, match=r"MoELayer.router must be a Router"):
+        layer.router = nn.Linear(16, 4)
+    with torch.no_grad():
+        y = layer(x)
+        layer.router.weight = nn.Parameter(layer.router.weight.flip(0))  # fits: used
+        layer.shared_expert.up_proj = nn.Linear(16, 8, bias=False)
+        assert not torch.allclose(layer(x), y)
+
+
+@pytest.mark.parametrize("cast", ["experts.down_proj", "shared_expert", "layer"])
+def test_weights_cast_away_from_the_config_dtype_raise(cast):
+    layer = _shared_layer()
+    if cast == "experts.down_proj":
+        layer.experts.down_proj.data = layer.experts.down_proj.data.half()
+    elif cast == "shared_expert":
+        layer.shared_expert.half()
+    else:
+        layer.half()
+    with pytest.raises(TypeError, match=r"parameter .* is torch.float16 but its config.dtype is torch.float32"):
+        layer(torch.randn(3, 16, dtype=torch.float16 if cast == "layer" else torch.float32))
 
 
 def test_expert_gemv_reference_equals_experts_forward():

@@ -202,7 +202,20 @@ def test_hook_on_a_replaced_submodule_is_seen():
         new.register_forward_pre_hook(lambda m, args: seen.append(1))
         assert layer._inner_hooks()
         close(layer(x), eager(layer, x))
-    assert len(seen) == 2
+        assert len(seen) == 2
+        # a nested replacement (not assigned on the layer itself) refreshes the cache too
+        proj = torch.nn.Linear(32, layer.config.shared_expert_intermediate_size, bias=False)
+        layer.shared_expert = type(layer.shared_expert)(
+            32, layer.config.shared_expert_intermediate_size,
+            gated=layer.config.shared_expert_gate, dtype=layer.config.dtype)
+        layer(x)
+        assert not layer._inner_hooks()
+        n = len(log)
+        layer.shared_expert.gate_proj = proj
+        proj.register_forward_hook(lambda m, args, out: seen.append(2))
+        assert layer._inner_hooks()
+        close(layer(x), eager(layer, x))
+        assert seen[2:] == [2, 2] and len(log) == n  # eager: no capture, no replay
 
 
 # --- invalidation ----------------------------------------------------------------------------------

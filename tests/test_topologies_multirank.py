@@ -169,6 +169,31 @@ def w_stall(rank, world, topo_name, use_call_timeout):
     return None, time.monotonic() - t0
 
 
+def w_mismatched_topology(rank, world, topo_name, other):
+    """Rank 1 builds `other` = (topology, num_experts), rank 0 (topo_name, E): each returns
+    (exception type, message) of its first dispatch."""
+    name, experts = (topo_name, E) if rank == 0 else other
+    topo = make_topology(name, experts, backend="reference")
+    x, ids = torch.randn(3, 8), torch.tensor([[0, 1], [2, 3], [1, 3]], dtype=torch.int32)
+    try:
+        topo.dispatch(x, ids, torch.rand(3, 2))
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("topo_name", TOPOS)
+def test_ranks_with_another_topology_raise_on_every_rank(pools, topo_name):
+    """Another num_experts (or topology) on one rank: its rows would have other sizes (gloo
+    aborts the process) or, under tp, another split's partial sums would be added silently."""
+    other = "dp_p2p" if topo_name == "tp" else "tp"
+    for peer, shown in (((topo_name, E // 2), f"('{topo_name}', {E // 2})"),
+                        ((other, E), f"('{other}', {E})")):
+        for typ, msg in pools(2).run(w_mismatched_topology, topo_name, peer):
+            assert typ == "ValueError" and "every rank must build the same topology" in msg, msg
+            assert f"[('{topo_name}', {E}), {shown}]" in msg, msg
+
+
 def w_raise_on_rank1(rank, world):
     if rank == 1:
         raise KeyError("planted failure")

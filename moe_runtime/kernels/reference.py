@@ -123,7 +123,9 @@ def dispatch(
     offsets[1:] = torch.cumsum(padded, 0)
     order = torch.sort(flat_e, stable=True).indices  # (t, j) order within each expert
     sorted_e = flat_e[order]
-    n_local = int(counts.sum())
+    # (no picks: skip the data-dependent read, which torch.compile cannot trace on empty
+    # tensors; T = 0 is specialized there, so the branch is static)
+    n_local = int(counts.sum()) if T * k else 0
     order, sorted_e = order[:n_local], sorted_e[:n_local]
     seg_start = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(n_local, device=dev) - seg_start[sorted_e]

@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..comm import all_gather_object, all_to_all_single, group_rank_size
+from ..comm import all_gather_object, all_reduce_sum, all_to_all_single, group_rank_size
 from ..comm.groups import check_timeout_s
 from ..kernels import reference
 from .base import DispatchResult, Topology
@@ -170,6 +170,36 @@ class GroupTopology(Topology):
 
     def _step(self, what: str) -> str:
         return f"{self.name}.{what}"
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 *, check_values: bool = True) -> DispatchResult:
+        """Topology.dispatch; the first call also runs `_check_same_topology` (a collective).
+
+        Raises:
+            ValueError: besides Topology.dispatch's, from `_check_same_topology`.
+        """
+        if not self.__dict__.get("_agreed"):
+            self._check_same_topology(x.device)
+            self._agreed = True
+        return super().dispatch(x, topk_ids, topk_weights, check_values=check_values)
+
+    def _check_same_topology(self, device: torch.device) -> None:
+        """Every rank's (topology, num_experts) through a fixed-size all-reduce: ranks that split
+        the experts differently would exchange rows of the wrong sizes (which aborts gloo /
+        NCCL) or sum partial results of another split.
+
+        Raises:
+            ValueError: on every rank, naming each rank's (topology, num_experts).
+        """
+        names = ("tp", "dp_nvlink", "dp_p2p", self.name)  # (a subclass: its own code)
+        mine = torch.zeros(self.world_size, 2, dtype=torch.int64)
+        mine[self.rank] = torch.tensor([names.index(self.name), self.num_experts])
+        every = all_reduce_sum(mine.to(device), group=self.group, timeout_s=self.timeout_s,
+                               step=self._step("topology check")).tolist()
+        if any(r != every[self.rank] for r in every):
+            raise ValueError(f"{self.name} rank {self.rank}: every rank must build the same "
+                             "topology; (topology, num_experts) per rank: "
+                             f"{[(names[n], e) for n, e in every]}")
 
 
 class DataParallelTopology(GroupTopology):

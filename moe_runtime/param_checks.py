@@ -1,0 +1,69 @@
+"""Checks on tensors and submodules assigned to a MoE layer's modules after construction.
+
+The layer's forward and its kernels size every launch from MoEConfig (E, H, I, dtype); a
+parameter replaced by one of another shape or dtype would otherwise route to experts that do
+not exist, or drop tokens, without an error.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def check_replacement(module: nn.Module, name: str, value) -> None:
+    """Raise before `module.name = value` replaces a tensor, or a submodule's `weight`, with
+    one of another shape or dtype (the dtype is free while the current tensor is on the meta
+    device: a layer being assembled, e.g. by swap_moe_layers, which keeps HF's fp32 router).
+
+    Raises:
+        ValueError: another shape.
+        TypeError: another dtype, or a tensor / submodule where a submodule / tensor was.
+    """
+    old = module._parameters.get(name, module._buffers.get(name))
+    if old is None and name in module._modules:
+        current = module._modules[name]
+        if current is None:
+            return
+        if not isinstance(value, nn.Module):
+            raise TypeError(f"{type(module).__name__}.{name} is a submodule; got {type(value).__name__}")
+        old, value = getattr(current, "weight", None), getattr(value, "weight", None)
+        name = f"{name}.weight"
+    if not isinstance(old, torch.Tensor):
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} must be a tensor, got {type(value).__name__}")
+    if value.shape != old.shape:
+        raise ValueError(f"{type(module).__name__}.{name} must keep its shape {tuple(old.shape)} "
+                         f"(the layer's config sizes every kernel), got {tuple(value.shape)}")
+    if value.dtype != old.dtype and not old.is_meta:
+        raise TypeError(f"{type(module).__name__}.{name} must keep its dtype {old.dtype}, got "
+                        f"{value.dtype}")
+
+
+def check_layer_submodule(layer, name: str, value) -> None:
+    """Raise before `layer.name = value` replaces a MoELayer's router, experts or shared expert
+    with a module of another class or size than its config (E, H, I, local experts).
+
+    Raises:
+        TypeError: another class (e.g. an adapter wrapper: LoRA on the routed experts or the
+            router is not supported).
+        ValueError: another size.
+    """
+    from .experts import Experts, SharedExpert
+    from .routing import Router
+    if name not in ("router", "experts", "shared_expert") or (value is None and name == "shared_expert"):
+        return
+    c = layer.config
+    cls, shape, expected = {
+        "router": (Router, lambda m: m.weight.shape, (c.num_experts, c.hidden_size)),
+        "experts": (Experts, lambda m: m.gate_up_proj.shape,
+                    (layer.topology.num_local_experts, 2 * c.moe_intermediate_size, c.hidden_size)),
+        "shared_expert": (SharedExpert, lambda m: m.gate_proj.weight.shape,
+                          (c.shared_expert_intermediate_size, c.hidden_size))}[name]
+    if type(value) is not cls:
+        raise TypeError(f"MoELayer.{name} must be a {cls.__name__} (the layer calls its kernels "
+                        f"directly: wrappers such as PEFT adapters are not supported there), got "
+                        f"{type(value).__module__}.{type(value).__name__}")
+    if tuple(shape(value)) != expected:
+        raise ValueError(f"MoELayer.{name} must match the layer's config: weight {expected}, got "
+                         f"{tuple(shape(value))}")
