@@ -24,7 +24,8 @@ Differences from the HF module, by design:
     * The routed weights are applied and summed in fp32 (`kernels.reference.combine`); HF Qwen2/3
       and OLMoE round the weights to the activation dtype first and accumulate per expert in the
       activation dtype. In fp32 the two agree to rounding; in bf16 they differ by bf16 rounding.
-    * Mixtral's `router_jitter_noise` (training only) is not applied.
+    * Mixtral's `router_jitter_noise` (training only) is not applied; a block with a nonzero
+      one warns (UserWarning) at the swap.
     * The parameters are named as in MoELayer (`router.weight`, `shared_expert.gate.weight`,
       ...), but each replacement's state_dict uses the HF block's names (`gate.weight`,
       `shared_expert_gate.weight`, ...) and its load_state_dict takes them (state_dict hooks,
@@ -247,10 +248,15 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     if meta:
         raise ValueError(
             f"{fam.name} block {type(block).__name__}: tensors {meta[:4]} are on the meta device "
-            "(a model built under torch.device('meta') or with empty weights); the swap shares "
-            "the block's weights, so load or materialize them first (from_pretrained, or "
-            "model.to_empty(device=...) and load_state_dict) and then call swap_moe_layers")
+            "(a model built under torch.device('meta') or with empty weights, or offloaded by "
+            "accelerate's device_map to 'disk' / 'cpu' offload); the swap shares the block's "
+            "weights, so they must be in memory: load or materialize them first "
+            "(from_pretrained without offloading, or model.to_empty(device=...) and "
+            "load_state_dict) and then call swap_moe_layers")
     cfg = _config(fam, block)
+    if getattr(block, "jitter_noise", 0):
+        warnings.warn(f"{fam.name}: router_jitter_noise={block.jitter_noise} (applied by HF in "
+                      "training only) is not applied by the swapped layer", stacklevel=3)
     layer = MoELayer(cfg, topology=topology, device="meta", **kw)
     layer.router.weight = block.gate.weight
     if cfg.use_correction_bias:

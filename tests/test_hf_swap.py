@@ -614,3 +614,10 @@ def test_swapped_model_pickles(tmp_path):
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
     assert sorted(back.state_dict()) == sorted(model.state_dict())
+
+
+def test_mixtral_router_jitter_noise_warns():
+    """HF applies Mixtral's router jitter in training; the swap does not, and says so."""
+    model = tiny_model("mixtral", router_jitter_noise=0.5)
+    with pytest.warns(UserWarning, match=r"router_jitter_noise=0.5 .* not applied"):
+        swap_moe_layers(model)
