@@ -61,7 +61,7 @@ def _shard_size(text: str) -> int:
             f"got {text!r}") from None
 
 
-class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each option's default, except None / False ones (nothing to show) and
     flags (a store_true / store_false option's default says nothing about the flag)."""
 
@@ -75,7 +75,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 def _add_make_checkpoint(sub) -> None:
     from .models.make_checkpoint import ARCH_NAMES, PRESETS
     p = sub.add_parser("make-checkpoint", help="write a random-weight HF checkpoint + tokenizer",
-                       formatter_class=_DefaultsHelp)
+                       formatter_class=DefaultsHelp)
     p.add_argument("out_dir", help="directory to write (created; must be empty or absent)")
     p.add_argument("--arch", choices=sorted(ARCH_NAMES), default="qwen3-moe",
                    help="model family")
@@ -89,7 +89,11 @@ def _add_make_checkpoint(sub) -> None:
                    help="qwen3-30b-a3b: also write the ~61 GB of random weights (default: config + tokenizer only)")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+RAY_ADDRESS_HELP = ('join this Ray cluster ("auto" or host:port); default: $RAY_ADDRESS when '
+                    'set, else start Ray embedded')
+
+
+def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDRESS_HELP) -> None:
     """Arguments shared by generate and demo (and the deploy job entry)."""
     from .engine.driver import TOPOLOGY_CHOICES
     p.add_argument("--world-size", type=_int_at_least(1), default=1, help="ranks, one Ray actor each")
@@ -108,8 +112,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0,
                    help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--ray-address", default=None,
-                   help='join this Ray cluster ("auto" or host:port); default: start Ray embedded')
+    p.add_argument("--ray-address", default=None, help=ray_address_help)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: GPU ranks when the Ray cluster has any GPU, else CPU ranks")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -122,19 +125,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
 
 
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate completions with one Ray actor per rank",
-                       formatter_class=_DefaultsHelp)
+def add_generate_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDRESS_HELP) -> None:
+    """The arguments of generate (also the deploy job entry's, with its own --ray-address help)."""
     p.add_argument("--model", required=True, help="HF-format checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", help="one prompt per line (blank lines are skipped)")
-    add_engine_args(p)
+    add_engine_args(p, ray_address_help)
+    p.set_defaults(command="generate")
+
+
+def _add_generate(sub) -> None:
+    add_generate_args(sub.add_parser("generate", help="generate completions with one Ray actor "
+                                     "per rank", formatter_class=DefaultsHelp))
 
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="tiny Qwen3-MoE checkpoint (cached), 2 CPU ranks, embedded Ray",
-                       formatter_class=_DefaultsHelp)
+                       formatter_class=DefaultsHelp)
     add_engine_args(p)
     p.add_argument("--progress", dest="no_progress", action="store_false",
                    help="show the loading progress bars (off in the demo)")
@@ -248,11 +256,18 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
+         ) -> int:
+    """Run the command line `argv` (default sys.argv[1:]) parsed by `parser` (default
+    build_parser()); returns the exit code (module docstring)."""
     try:
-        args = build_parser().parse_args(argv)
+        args = (parser or build_parser()).parse_args(argv)
         if args.command == "make-checkpoint":
-            from .models.make_checkpoint import make_checkpoint
+            from .models.make_checkpoint import check_arch_preset, make_checkpoint
+            try:
+                check_arch_preset(args.arch, args.preset)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
             make_checkpoint(args.out_dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype,
                             max_shard_size=args.max_shard_size, force=args.force)
             what = "config + tokenizer only (use --force for weights)" if (

@@ -231,6 +231,21 @@ def test_generate_argument_value_errors_are_usage_errors(tmp_path, capsys, argv,
     assert err.strip().splitlines()[-1] == f"moe-runtime generate: error: {message}"
 
 
+def test_make_checkpoint_arch_preset_mismatch_is_a_usage_error(tmp_path, capsys):
+    assert cli_main(["make-checkpoint", "--arch", "mixtral", "--preset", "qwen3-30b-a3b",
+                     str(tmp_path / "x")]) == 2
+    assert "use --arch qwen3-moe" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
+
+
+def test_deploy_entry_help_names_itself_and_its_ray_default(capsys):
+    from moe_runtime import deploy
+    with pytest.raises(SystemExit) as e:
+        deploy.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python -m moe_runtime.deploy ")
+    assert "moe-runtime generate" not in out and "default: $RAY_ADDRESS (set by" in " ".join(out.split())
+
+
 def test_make_checkpoint_max_shard_size_is_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["make-checkpoint", "--max-shard-size", "banana", str(tmp_path / "x")])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -188,6 +189,26 @@ def test_a_rank_that_raises_fails_the_driver_naming_the_rank(ray_session, ckpt):
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     eng.shutdown()
+
+
+def test_a_stalled_rank_is_named_not_the_peer_that_timed_out(ray_session, ckpt):
+    """Rank 1's process is stopped (SIGSTOP): rank 0 waits in a collective until it or the
+    driver's bound times out, and the RankError names rank 1, which no longer answers, not
+    rank 0."""
+    eng = Engine(ckpt, world_size=2, topology="dp_p2p", progress=False, timeout_s=3)
+    pids = list(eng.worker_pids)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        with pytest.raises(RankError, match=r"rank 1 failed during generate: TimeoutError: ranks "
+                                            r"\[1\] stopped answering .*(rank 0 reported "
+                                            r"CollectiveError|made no progress)") as e:
+            eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+        assert e.value.rank == 1
+        assert _wait_gone(pids) == []
+    finally:
+        if os.path.exists(f"/proc/{pids[1]}"):
+            os.kill(pids[1], signal.SIGCONT)
+        eng.shutdown()
 
 
 def test_misshaped_expert_on_one_rank_fails_load_naming_rank_and_tensor(engines, ckpt, tmp_path):

@@ -25,6 +25,9 @@ log = logging.getLogger("moe_runtime")
 TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
 
 
+_SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent)
+
+
 class RankError(RuntimeError):
     """A rank failed (raised, died or timed out). Attributes: rank, what (the phase), cause."""
 
@@ -292,8 +295,10 @@ class Engine:
                 try:
                     ray.init(address=address, **extra)
                 except ConnectionError as e:  # Ray's text names its own CLI flag (--address)
-                    raise ConnectionError(f"cannot join the Ray cluster at {address!r} (--ray-address "
-                                          f"or RAY_ADDRESS; omit both to start Ray embedded): {e}") from e
+                    raise ConnectionError(
+                        f"cannot join the Ray cluster at {address!r} (--ray-address or "
+                        f"RAY_ADDRESS; `moe-runtime generate` without either starts Ray "
+                        f"embedded, the job entry joins 'auto'): {e}") from e
         elif not ray.is_initialized():
             # address "local": a new Ray of our own even when a local cluster runs here (`ray
             # start --head`, or a stale /tmp/ray/ray_current_cluster); without it ray.init joins
@@ -396,10 +401,14 @@ class Engine:
                     continue
                 if left <= 0:
                     stuck = sorted(refs.values())
+                    silent = self._silent(stuck)  # (a stopped or hung process: the culprit)
                     self._kill_workers()
                     bound = "made no progress for" if progress else "did not finish within"
-                    raise RankError(stuck[0], what, f"TimeoutError: ranks {stuck} {bound} "
-                                    f"{self.timeout_s:g}s")
+                    why = f"ranks {stuck} {bound} {self.timeout_s:g}s"
+                    if silent:
+                        why = (f"ranks {silent} stopped answering (no reply to a progress query "
+                               f"within {_SILENT_S:g}s: a stopped or hung process); {why}")
+                    raise RankError((silent or stuck)[0], what, f"TimeoutError: {why}")
                 ready, _ = ray.wait(list(refs), num_returns=1, timeout=min(left, 1.0))
                 for ref in ready:
                     r = refs.pop(ref)
@@ -431,6 +440,13 @@ class Engine:
             steps[r] = n
         return advanced
 
+    def _silent(self, ranks: list[int]) -> list[int]:
+        """The ranks among `ranks` that do not answer RankWorker.progress within _SILENT_S."""
+        import ray
+        refs = {self.workers[r].progress.remote(): r for r in ranks}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_SILENT_S)
+        return sorted(r for ref, r in refs.items() if ref not in ready)
+
     def _fail(self, rank: int, what: str, err: Exception, pending: dict) -> RankError:
         """Choose the root failure among the ranks, kill the actors, build the RankError."""
         import ray
@@ -447,6 +463,16 @@ class Engine:
                 except Exception as e:
                     failures.append((r, _cause(e)))
             failures.sort(key=lambda f: isinstance(f[1], CollectiveError))
+        if isinstance(failures[0][1], CollectiveError) and pending:
+            # only peers' collectives failed: a rank that neither finished nor failed and does
+            # not answer a progress query (its own concurrency group) is the one that stalled
+            silent = self._silent(sorted(pending.values()))
+            if silent:
+                r, cause = failures[0]
+                failures.insert(0, (silent[0], (
+                    f"TimeoutError: ranks {silent} stopped answering (no reply to a progress "
+                    f"query within {_SILENT_S:g}s: a stopped or hung process); rank {r} reported "
+                    f"{type(cause).__name__}: {cause}")))
         self._kill_workers()
         r, cause = failures[0]
         error = RankError(r, what, cause)
@@ -466,8 +492,9 @@ class Engine:
             params: SamplingParams.
             max_batch_size: run the prompts in consecutive batches of at most this many (each
                 rank's KV cache is sized for its batch: a long prompt list in one batch may not
-                fit in memory); None: one batch. Completions do not depend on it (per-request
-                seeds, see SamplingParams).
+                fit in memory); None: one batch. In float32 the completions do not depend on
+                it (per-request seeds; in bf16 / fp16 near-ties may go either way, see
+                SamplingParams.seed).
             fail_at_step: testing aid, {rank: decode step}: that rank raises at that step.
 
         Returns:

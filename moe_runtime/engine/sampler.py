@@ -18,10 +18,14 @@ class SamplingParams:
         temperature: 0 = greedy (argmax); > 0 divides the logits before the softmax.
         top_p: keep the smallest set of most likely tokens whose mass reaches top_p (0 < p <= 1).
         seed: an int; request i (its position in the batch passed to generate) draws from a
-            torch.Generator seeded with (seed, i). So the same seed and the same position give
-            the same completion whatever the other prompts of the batch contain, the world size
-            or the topology; the same prompt at another position of the batch draws other
-            samples. Unused when greedy.
+            torch.Generator seeded with (seed, i). So the same seed and the same position draw
+            the same random numbers whatever the other prompts of the batch contain, the world
+            size or the topology; the same prompt at another position of the batch draws other
+            samples. Unused when greedy. In float32 the completions are then the same too
+            (tested). In bfloat16 / float16 they may not be: the logits of a prompt depend on
+            the batch and the ranks (the matmuls round differently for other row counts, and
+            `tp` sums partial results), so a near-tie between two tokens can go either way
+            there, greedy included (as in HF transformers, which also differs from float32).
         stop_token_ids: stop a request when it samples one of these (included in its output);
             None = the model's EOS ids.
 

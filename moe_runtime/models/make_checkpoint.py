@@ -143,6 +143,17 @@ def train_tokenizer(vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
+def check_arch_preset(arch: str, preset: str) -> None:
+    """Raises ValueError unless `arch` is in ARCH_NAMES, `preset` in PRESETS and the two fit
+    (qwen3-30b-a3b is a Qwen3-MoE model)."""
+    if arch not in ARCH_NAMES:
+        raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}, got {arch!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
+    if preset == "qwen3-30b-a3b" and arch != "qwen3-moe":
+        raise ValueError("preset 'qwen3-30b-a3b' is a Qwen3-MoE model: use --arch qwen3-moe")
+
+
 def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny", *,
                     seed: int = 0, dtype: Optional[str] = None,
                     max_shard_size: Optional[Union[str, int]] = None,
@@ -168,12 +179,7 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     import torch
     import transformers
 
-    if arch not in ARCH_NAMES:
-        raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}, got {arch!r}")
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
-    if preset == "qwen3-30b-a3b" and arch != "qwen3-moe":
-        raise ValueError("preset 'qwen3-30b-a3b' is a Qwen3-MoE model: use --arch qwen3-moe")
+    check_arch_preset(arch, preset)
     if max_shard_size is not None:
         max_shard_size = parse_shard_size(max_shard_size)
     if os.path.isdir(out_dir) and os.listdir(out_dir):
