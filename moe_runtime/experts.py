@@ -9,7 +9,7 @@ from torch import nn
 
 from .kernels import get_ops, resolve_backend
 from .kernels.grouped_gemm import grouped_gemm, quack_supported, swiglu_grouped_gemm
-from .param_checks import check_replacement
+from .param_checks import check_replacement, note_assignment
 
 # When Experts uses the CuTeDSL expert GEMV instead of the grouped GEMM on CUDA: each row re-reads
 # its expert's weights, so it wins while rows are few and mostly on distinct experts. Measured by
@@ -124,6 +124,7 @@ class Experts(nn.Module):
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)  # the weights keep their shape and dtype
+        note_assignment(name, value)
         super().__setattr__(name, value)
 
     def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -242,6 +243,7 @@ class SharedExpert(nn.Module):
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)  # a replaced projection keeps its weight's shape
+        note_assignment(name, value)
         super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

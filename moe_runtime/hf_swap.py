@@ -160,6 +160,10 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
         raise ValueError(f"no MoE block found in {type(model).__name__}; supported: {supported_blocks()}")
     # Build (and validate) every replacement before the first one is installed.
     new = [(path, _build_layer(fam, block, topology, kw)) for path, fam, block in found]
+    jitter = sorted({getattr(block, "jitter_noise", 0) for _, _, block in found} - {0})
+    if jitter:
+        warnings.warn(f"router_jitter_noise={jitter[0]} (Mixtral; applied by HF in training "
+                      "only) is not applied by the swapped layers", stacklevel=2)
     for path, layer in new:
         if not path:
             return layer
@@ -254,9 +258,6 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
             "(from_pretrained without offloading, or model.to_empty(device=...) and "
             "load_state_dict) and then call swap_moe_layers")
     cfg = _config(fam, block)
-    if getattr(block, "jitter_noise", 0):
-        warnings.warn(f"{fam.name}: router_jitter_noise={block.jitter_noise} (applied by HF in "
-                      "training only) is not applied by the swapped layer", stacklevel=3)
     layer = MoELayer(cfg, topology=topology, device="meta", **kw)
     layer.router.weight = block.gate.weight
     if cfg.use_correction_bias:
@@ -264,8 +265,10 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     layer.load_expert_weights(block.experts.gate_up_proj, block.experts.down_proj)
     if fam.shared is not None:
         if layer.shared_expert is None:  # an empty HF MLP (width 0): kept for its keys
-            layer.shared_expert = SharedExpert(cfg.hidden_size, 0, gated=fam.shared_gate is not None,
-                                               dtype=cfg.dtype, device="meta")
+            with warnings.catch_warnings():  # (nn.Linear's init of zero-element tensors)
+                warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+                layer.shared_expert = SharedExpert(cfg.hidden_size, 0, dtype=cfg.dtype,
+                                                   gated=fam.shared_gate is not None, device="meta")
         mlp = getattr(block, fam.shared)
         for name in _MLP_NAMES:
             getattr(layer.shared_expert, name).weight = getattr(mlp, name).weight

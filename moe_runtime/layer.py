@@ -10,21 +10,9 @@ from .config import MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
 from .kernels import _log_once, check_backend_name, differentiable_kernels, resolve_backend
-from .param_checks import check_layer_submodule
+from .param_checks import check_layer_submodule, note_assignment, structure_version
 from .routing import Router
 from .topologies.base import Topology
-
-
-_registrations = [0]  # submodules and parameters registered on any module so far: a layer's
-# cached walks of its tree (`MoELayer._tree`) are redone when it moved
-
-
-def _count_registration(module: nn.Module, name: str, value) -> None:
-    _registrations[0] += 1
-
-
-nn.modules.module.register_module_module_registration_hook(_count_registration)
-nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
 class MoELayer(nn.Module):
@@ -212,6 +200,7 @@ class MoELayer(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
+        structure_version[0] += 1  # (parameters may be new objects: the overwrite flag)
         if self.cuda_graphs is not None:  # .to() / .cuda(): new storage, maybe a new device
             self.cuda_graphs.invalidate()
             self.cuda_graphs.device = self.router.weight.device
@@ -232,19 +221,26 @@ class MoELayer(nn.Module):
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._tree()[0])
 
-    def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, torch.Tensor], ...]]:
-        """(submodules, (name, weight) pairs that must be in config.dtype), cached until a
-        submodule or parameter is registered anywhere (a nested one may have been replaced:
-        layer.shared_expert.gate_proj = ...): the walk costs ~10 us, a call of forward ~1 us.
-        A DeepSeek-V3 router may keep its weight in fp32 (HF's _keep_in_fp32_modules_strict;
-        config.router_logits_fp32); the correction bias is an fp32 buffer."""
+    def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, nn.Module, str], ...]]:
+        """(submodules, (name, owner module, parameter name) of the weights that must be in
+        config.dtype; read live from owner._parameters, so no tensor is held here). The walk
+        costs ~10 us, a call ~1 us: cached until a tensor or submodule of this package's
+        modules is assigned or the layer converted (param_checks.structure_version); under
+        torch.compile walked afresh (traced once, guarded by dynamo). A DeepSeek-V3 router may
+        keep its weight in fp32 (HF's _keep_in_fp32_modules_strict; config.router_logits_fp32)."""
+        compiling = torch.compiler.is_compiling()
         seen, tree = self.__dict__.get("_tree_cache", (-1, None))
-        if seen != _registrations[0]:
+        if compiling or seen != structure_version[0]:
             subs = tuple(m for m in self.modules() if m is not self)
-            weights = tuple((n, p) for n, p in self.named_parameters()
-                            if not (n == "router.weight" and self.config.router_logits_fp32))
-            tree = (subs, weights)
-            self.__dict__["_tree_cache"] = (_registrations[0], tree)
+            slots = []
+            for prefix, m in self.named_modules():
+                for n in m._parameters:
+                    name = f"{prefix}.{n}" if prefix else n
+                    if not (name == "router.weight" and self.config.router_logits_fp32):
+                        slots.append((name, m, n))
+            tree = (subs, tuple(slots))
+            if not compiling:
+                self.__dict__["_tree_cache"] = (structure_version[0], tree)
         return tree
 
     def __setattr__(self, name, value):
@@ -255,6 +251,7 @@ class MoELayer(nn.Module):
             return
         if "config" in self.__dict__:
             check_layer_submodule(self, name, value)
+        note_assignment(name, value)
         super().__setattr__(name, value)
 
     def __getattr__(self, name: str):
@@ -333,7 +330,11 @@ class MoELayer(nn.Module):
         """(name, dtype) of the first weight not in config.dtype (e.g. after `.half()` on the
         layer or a submodule), else None."""
         dtype = self.config.dtype
-        return next(((n, w.dtype) for n, w in self._tree()[1] if w.dtype != dtype), None)
+        for name, owner, n in self._tree()[1]:
+            w = owner._parameters.get(n)
+            if w is not None and w.dtype != dtype:
+                return name, w.dtype
+        return None
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
         """Gradients enabled and the input or a parameter requires grad."""

@@ -10,6 +10,28 @@ import torch
 from torch import nn
 
 
+structure_version = [0]  # bumped when a tensor or submodule of a MoE layer's modules is
+# assigned (`note_assignment`), or the layer's tensors are converted (MoELayer._apply): the
+# layer's cached walk of its tree (MoELayer._tree) is redone when it moved
+
+
+def note_assignment(name: str, value) -> None:
+    """Bump structure_version for an assignment of a tensor or a module (or None)."""
+    if value is None or isinstance(value, (torch.Tensor, nn.Module)):
+        structure_version[0] += 1
+
+
+def unwrapped(module):
+    """The module inside transparent wrappers that forward attribute access to it:
+    torch.compile's OptimizedModule (`_orig_mod`), activation checkpointing's CheckpointWrapper
+    (`_checkpoint_wrapped_module`), FSDP1 (`_fsdp_wrapped_module`)."""
+    for attr in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"):
+        inner = module.__dict__.get("_modules", {}).get(attr) if isinstance(module, nn.Module) else None
+        if inner is not None:
+            return unwrapped(inner)
+    return module
+
+
 def check_replacement(module: nn.Module, name: str, value) -> None:
     """Raise before `module.name = value` replaces a tensor, or a submodule's `weight`, with
     one of another shape or dtype (the dtype is free while the current tensor is on the meta
@@ -28,6 +50,8 @@ def check_replacement(module: nn.Module, name: str, value) -> None:
             raise TypeError(f"{type(module).__name__}.{name} is a submodule; got {type(value).__name__}")
         old, value = getattr(current, "weight", None), getattr(value, "weight", None)
         name = f"{name}.weight"
+        if value is None:  # (a wrapper without a weight attribute: nothing to compare)
+            return
     if not isinstance(old, torch.Tensor):
         return
     if not isinstance(value, torch.Tensor):
@@ -45,14 +69,15 @@ def check_layer_submodule(layer, name: str, value) -> None:
     with a module of another class or size than its config (E, H, I, local experts).
 
     Raises:
-        TypeError: another class (e.g. an adapter wrapper: LoRA on the routed experts or the
-            router is not supported).
+        TypeError: another class, unwrapped (`unwrapped`; e.g. an adapter wrapper: LoRA on the
+            routed experts or the router is not supported).
         ValueError: another size.
     """
     from .experts import Experts, SharedExpert
     from .routing import Router
-    if name not in ("router", "experts", "shared_expert") or (value is None and name == "shared_expert"):
-        return
+    if (name not in ("router", "experts", "shared_expert") or value is layer._modules.get(name)
+            or (value is None and name == "shared_expert")):
+        return  # (re-assigning the same module: e.g. FSDP's and checkpointing's wrap walks)
     c = layer.config
     cls, shape, expected = {
         "router": (Router, lambda m: m.weight.shape, (c.num_experts, c.hidden_size)),
@@ -60,10 +85,12 @@ def check_layer_submodule(layer, name: str, value) -> None:
                     (layer.topology.num_local_experts, 2 * c.moe_intermediate_size, c.hidden_size)),
         "shared_expert": (SharedExpert, lambda m: m.gate_proj.weight.shape,
                           (c.shared_expert_intermediate_size, c.hidden_size))}[name]
-    if type(value) is not cls:
-        raise TypeError(f"MoELayer.{name} must be a {cls.__name__} (the layer calls its kernels "
-                        f"directly: wrappers such as PEFT adapters are not supported there), got "
+    inner = unwrapped(value)
+    if not isinstance(inner, cls):
+        raise TypeError(f"MoELayer.{name} must be a {cls.__name__} (or torch.compile / "
+                        f"checkpoint / FSDP wrapping one; the layer reads its weights directly: "
+                        f"adapter wrappers such as PEFT's are not supported there), got "
                         f"{type(value).__module__}.{type(value).__name__}")
-    if tuple(shape(value)) != expected:
+    if tuple(shape(inner)) != expected:
         raise ValueError(f"MoELayer.{name} must match the layer's config: weight {expected}, got "
                          f"{tuple(shape(value))}")

@@ -11,7 +11,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .kernels import get_ops, resolve_backend
-from .param_checks import check_replacement
+from .param_checks import check_replacement, note_assignment
 
 
 # When Router.logits uses the CuTeDSL GEMV (cute_ops.linear_gemv) instead of F.linear: at most
@@ -51,6 +51,7 @@ class Router(nn.Module):
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)  # weight keeps [E, H], the bias [E]
+        note_assignment(name, value)
         super().__setattr__(name, value)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

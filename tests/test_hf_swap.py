@@ -6,6 +6,7 @@ attention; each model is compared with itself before and after the in-place swap
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -466,7 +467,9 @@ def test_zero_width_shared_expert_keeps_hf_keys(family, over):
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         ref = model(ids).logits
-        swap_moe_layers(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no zero-element init warnings)
+            swap_moe_layers(model)
         out = model(ids).logits
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     assert len(layers) == 2 and all(m.config.shared_expert_intermediate_size == 0 for m in layers)
@@ -619,5 +622,6 @@ def test_swapped_model_pickles(tmp_path):
 def test_mixtral_router_jitter_noise_warns():
     """HF applies Mixtral's router jitter in training; the swap does not, and says so."""
     model = tiny_model("mixtral", router_jitter_noise=0.5)
-    with pytest.warns(UserWarning, match=r"router_jitter_noise=0.5 .* not applied"):
+    with pytest.warns(UserWarning, match=r"router_jitter_noise=0.5 .* not applied") as w:
         swap_moe_layers(model)
+    assert len(w) == 1 and w[0].filename == __file__  # once, at the caller's line

@@ -6,7 +6,7 @@ from torch import nn
 from hypothesis import given, settings, strategies as st
 
 from moe_runtime import MoEConfig, MoELayer
-from moe_runtime.experts import Experts
+from moe_runtime.experts import Experts, SharedExpert
 from moe_runtime.kernels import reference as R
 from moe_runtime.topologies.local import LocalTopology
 
@@ -341,9 +341,9 @@ def test_config_must_be_a_moe_config():
             MoELayer(bad)
 
 
-def _shared_layer() -> MoELayer:
+def _shared_layer(dtype=torch.float32) -> MoELayer:
     cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
-                    dtype=torch.float32, shared_expert_intermediate_size=8, shared_expert_gate=True)
+                    dtype=dtype, shared_expert_intermediate_size=8, shared_expert_gate=True)
     return MoELayer(cfg, backend="reference")
 
 
@@ -370,6 +370,86 @@ def test_replaced_weights_and_submodules_must_fit_the_config():
         layer.router.weight = nn.Parameter(layer.router.weight.flip(0))  # fits: used
         layer.shared_expert.up_proj = nn.Linear(16, 8, bias=False)
         assert not torch.allclose(layer(x), y)
+
+
+def test_transparent_wrappers_and_same_module_reassignment_are_accepted():
+    """torch.compile / activation checkpointing wrappers, a subclass, a parametrized router,
+    re-assigning the module already there (FSDP's and checkpointing's wrap walks) and a
+    projection wrapper without a weight attribute: accepted, forward unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.nn.utils import parametrize
+    layer = _shared_layer()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        y = layer(x)
+        layer.experts = torch.compile(layer.experts, backend="eager")
+        layer.shared_expert = checkpoint_wrapper(layer.shared_expert)
+        parametrize.register_parametrization(layer.router, "weight", nn.Identity())
+        layer.router = layer.router
+        torch.testing.assert_close(layer(x), y)
+
+    class Scaled(nn.Module):  # wraps a projection, exposes no `weight`
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, t):
+            return 2 * self.base(t)
+    layer = _shared_layer()
+    layer.shared_expert.gate = Scaled(layer.shared_expert.gate)
+    layer.shared_expert = type("MySharedExpert", (SharedExpert,), {})(16, 8, gated=True,
+                                                                        dtype=torch.float32)
+    layer(x)
+
+
+def test_a_registration_elsewhere_does_not_recompile_the_layer():
+    """The layer's cached walk is keyed on assignments to this package's modules only: modules
+    built elsewhere (HF forwards slice ModuleLists on every call) neither redo it nor, under
+    torch.compile, trigger a recompile."""
+    torch._dynamo.reset()
+    layer = _shared_layer(torch.bfloat16)  # (bf16: one graph, see the fullgraph test)
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            compiled(x)
+            nn.ModuleList([nn.Linear(4, 4)])[:1]
+    layer(x)
+    cache = layer.__dict__["_tree_cache"]
+    nn.Linear(4, 4)
+    layer(x)
+    assert layer.__dict__["_tree_cache"] is cache
+
+
+@pytest.mark.parametrize("how", ["to_meta", "overwrite_flag", "functional_call_first"])
+def test_dtype_check_holds_no_tensors_and_sees_new_ones(how):
+    """The cached walk names parameters and reads them live: parameters replaced without an
+    assignment (the overwrite flag, .to('meta'), functional_call) are neither kept alive nor
+    missed by the dtype check."""
+    import weakref
+    layer = _shared_layer()
+    x = torch.randn(3, 16)
+    if how == "functional_call_first":
+        params = {k: v.clone() for k, v in layer.named_parameters()}
+        torch.func.functional_call(layer, params, (x,))
+    else:
+        layer(x)
+    old = weakref.ref(layer.router.weight)
+    if how == "to_meta":
+        layer.to("meta")
+        assert old() is None  # (the walk did not keep it)
+        return
+    if how == "overwrite_flag":
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        try:
+            layer.half()
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+        assert old() is None
+    else:
+        layer.shared_expert.half()
+    with pytest.raises(TypeError, match=r"is torch.float16 but its config.dtype is torch.float32"):
+        layer(x)
 
 
 @pytest.mark.parametrize("cast", ["experts.down_proj", "shared_expert", "layer"])

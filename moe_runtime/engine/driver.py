@@ -401,13 +401,13 @@ class Engine:
                     continue
                 if left <= 0:
                     stuck = sorted(refs.values())
-                    silent = self._silent(stuck)  # (a stopped or hung process: the culprit)
+                    silent = self._silent(stuck)  # (a stopped, hung or busy process: the culprit)
                     self._kill_workers()
                     bound = "made no progress for" if progress else "did not finish within"
                     why = f"ranks {stuck} {bound} {self.timeout_s:g}s"
                     if silent:
                         why = (f"ranks {silent} stopped answering (no reply to a progress query "
-                               f"within {_SILENT_S:g}s: a stopped or hung process); {why}")
+                               f"within {_SILENT_S:g}s: a stopped, hung or busy process); {why}")
                     raise RankError((silent or stuck)[0], what, f"TimeoutError: {why}")
                 ready, _ = ray.wait(list(refs), num_returns=1, timeout=min(left, 1.0))
                 for ref in ready:
@@ -471,7 +471,7 @@ class Engine:
                 r, cause = failures[0]
                 failures.insert(0, (silent[0], (
                     f"TimeoutError: ranks {silent} stopped answering (no reply to a progress "
-                    f"query within {_SILENT_S:g}s: a stopped or hung process); rank {r} reported "
+                    f"query within {_SILENT_S:g}s: a stopped, hung or busy process); rank {r} reported "
                     f"{type(cause).__name__}: {cause}")))
         self._kill_workers()
         r, cause = failures[0]
