@@ -353,7 +353,11 @@ class MoELayer(nn.Module):
         topk_ids, topk_weights = self.router(x)
         result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False)
         hint = {} if result.expected_rows is None else {"expected_rows": result.expected_rows}
-        expert_y = self.experts(result.expert_x, result.expert_offsets, **hint)
+        try:
+            expert_y = self.experts(result.expert_x, result.expert_offsets, **hint)
+        except BaseException as e:  # the peers wait in this call's combine (Topology.abandon)
+            self.topology.abandon(e)
+            raise
         y = self.topology.combine(expert_y, result)
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)

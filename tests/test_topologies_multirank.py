@@ -194,6 +194,70 @@ def test_ranks_with_another_topology_raise_on_every_rank(pools, topo_name):
             assert f"[('{topo_name}', {E}), {shown}]" in msg, msg
 
 
+def w_out_of_step(rank, world, topo_name, failure):
+    """Call 1 on both ranks; on call 2 rank 1 fails (`failure`: "validation", x in float64, or
+    "experts", an error between dispatch and combine in a MoELayer) and goes on; each rank then
+    makes calls 2 and 3. Returns each call's (exception type, message) or "ok"."""
+    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime.comm import new_group
+    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                    dtype=torch.float32)
+    torch.manual_seed(0)
+    group = new_group()  # (a timed-out gloo collective leaves its group unusable: not the pool's)
+    layer = MoELayer(cfg, topology=make_topology(topo_name, E, group=group, backend="reference",
+                                                 timeout_s=3), backend="reference")
+    torch.manual_seed(rank if topo_name != "tp" else 0)
+    x = torch.randn(3, 8)
+
+    def fail(module, args):
+        raise RuntimeError("planted expert failure")
+    out = []
+    for call in (1, 2, 3):
+        handle = None
+        xx = x
+        if rank == 1 and call == 2:
+            if failure == "validation":
+                xx = x.double()
+            else:
+                handle = layer.experts.register_forward_pre_hook(fail)
+        try:
+            with torch.no_grad():
+                if failure == "validation":  # the topology itself (the layer checks dtypes first)
+                    ids, w = layer.router(x)
+                    res = layer.topology.dispatch(xx, ids, w)
+                    layer.topology.combine(res.expert_x, res)
+                else:
+                    layer(xx)
+            out.append("ok")
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+        finally:
+            if handle is not None:
+                handle.remove()
+    return out
+
+
+@pytest.mark.parametrize("failure", ["validation", "experts"])
+@pytest.mark.parametrize("topo_name", ["tp", "dp_p2p"])
+def test_a_rank_that_goes_on_after_an_error_is_caught(pools, topo_name, failure):
+    """No silent pairing of different calls, no process aborted by gloo: a rank that failed
+    validation and went on meets its peers at another dispatch number (ValueError on both); a
+    rank that failed between dispatch and combine refuses its next calls (RuntimeError, no
+    collective) while its peer times out in the combine it waits in (CollectiveError)."""
+    r0, r1 = pools(2).run(w_out_of_step, topo_name, failure, timeout_s=60)
+    assert r0[0] == r1[0] == "ok"
+    if failure == "validation":
+        assert r1[1][0] == "TypeError"
+        for typ, msg in (r0[1], r1[2]):
+            assert typ == "ValueError" and "the ranks are out of step" in msg, msg
+        assert r0[2][0] == "CollectiveError"  # (rank 1 made no fourth call)
+    else:
+        assert r1[1] == ("RuntimeError", "planted expert failure")
+        assert r0[1][0] == "CollectiveError" and "combine" in r0[1][1], r0[1]
+        for typ, msg in (r0[2], r1[2]):
+            assert typ == "RuntimeError" and "out of step with its peers" in msg, msg
+
+
 def w_raise_on_rank1(rank, world):
     if rank == 1:
         raise KeyError("planted failure")

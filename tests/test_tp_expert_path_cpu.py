@@ -46,7 +46,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def tp(monkeypatch, rank: int) -> TPTopology:
     monkeypatch.setattr(distributed, "group_rank_size", lambda group: (rank, W))
     # the cross-rank checks need real peers (their all-reduces are the identity here)
-    monkeypatch.setattr(TPTopology, "_check_same_tokens", lambda self, partial: None)
+    monkeypatch.setattr(TPTopology, "_check_same_tokens", lambda self, partial, call: None)
     monkeypatch.setattr(TPTopology, "_check_same_topology", lambda self, device: None)
     return TPTopology(E, backend="reference")
 

@@ -40,7 +40,8 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         backend: "reference", "cute" or "auto" (local: see kernels.resolve_backend; the
             multi-rank topologies: see distributed.resolve_group_backend).
         timeout_s: per-collective bound in seconds for the multi-rank topologies (None = the
-            group's timeout; else finite and >= 0.001, checked here; "local" ignores it); the
+            group's timeout; else finite and >= 0.001, checked here; "local" ignores it; a
+            gloo collective also gives up at the group's timeout, whichever is smaller); the
             cute backends turn it into each device-side wait's poll count
             (kernels.peer_sync.wait_bounds: ~1.5x timeout_s on the H200, grid barriers 2x).
         max_tokens_per_rank, transport: peer buffer sizing and transport of the cute backends

@@ -89,8 +89,16 @@ class Topology(abc.ABC):
             ValueError: wrong shapes or devices; with check_values, expert ids outside [0, E)
                 or repeated within a token (the check reads the ids on the host).
         """
+        self._count_call()
         validate_routing(x, topk_ids, topk_weights, self.num_experts, check_values=check_values)
-        return self._dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous())
+        self._before_dispatch(x.device)
+        try:
+            return self._dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous())
+        except (ValueError, TypeError):
+            raise  # (checks that raise on every rank, or before any collective)
+        except BaseException as e:  # e.g. a collective failed: the ranks' state is unknown
+            self.abandon(e)
+            raise
 
     def combine(self, expert_y: torch.Tensor, result: DispatchResult) -> torch.Tensor:
         """Weighted sum over k back in token order: y [T, H] in expert_y.dtype.
@@ -107,7 +115,28 @@ class Topology(abc.ABC):
             raise ValueError(f"expert_y must be on {ex.device}, got {expert_y.device}")
         if expert_y.dtype != ex.dtype:
             raise TypeError(f"expert_y must have expert_x's dtype {ex.dtype}, got {expert_y.dtype}")
-        return self._combine(expert_y.contiguous(), result)
+        self._before_combine()
+        try:
+            return self._combine(expert_y.contiguous(), result)
+        except (ValueError, TypeError):
+            raise
+        except BaseException as e:
+            self.abandon(e)
+            raise
+
+    def abandon(self, error: BaseException) -> None:
+        """Note that this rank stopped between a dispatch and its combine (`error` raised in
+        dispatch, combine or in between, e.g. in the experts). Nothing for one rank; the
+        multi-rank topologies then refuse further calls (GroupTopology). MoELayer calls it."""
+
+    def _count_call(self) -> None:
+        """Before anything else in dispatch (multi-rank: GroupTopology numbers the calls)."""
+
+    def _before_dispatch(self, device: torch.device) -> None:
+        """After validation, before `_dispatch` (multi-rank: GroupTopology)."""
+
+    def _before_combine(self) -> None:
+        """After validation, before `_combine` (multi-rank: GroupTopology)."""
 
     @abc.abstractmethod
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult: ...

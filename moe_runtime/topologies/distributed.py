@@ -22,6 +22,16 @@ DP protocol (each rank owns its own batch; T may differ per rank, including T = 
 
 Every collective is bounded by the group's timeout (or `timeout_s`); a rank that fails input
 validation raises before its first collective, so its peers raise CollectiveError on timeout.
+Ranks out of step (one rank went on after an error, so its calls pair with other layers' or
+calls' on its peers) are caught where a header is exchanged: every topology numbers its
+dispatches, and the dp counts exchange and tp's combine check carry that number (ValueError on
+every rank instead of rows of another layer). Not caught: the same number of calls made in
+another order (two models, or layers sharing one topology, run in another order on one rank). A rank that stopped between a dispatch and its
+combine (an error in between, e.g. in the experts, or in either) marks its topology out of
+step (`abandon`; MoELayer does it): its next dispatch or combine raises RuntimeError at once,
+without a collective, so its peers time out in the combine they wait in (CollectiveError)
+instead of pairing it with a dispatch of other sizes (which aborts gloo). Build new topologies
+on every rank to go on.
 
 Backends (`resolve_group_backend`): every topology here has "reference" (the torch.distributed
 protocol above for dp, an all-reduce for tp). `tp` and `dp_nvlink` also have "cute"
@@ -146,7 +156,8 @@ class GroupTopology(Topology):
         backend: "reference", "cute" or "auto" (resolve_group_backend; `backend` holds the
             result, "auto" until a PeerBufferTopology's first CUDA call settles it).
         timeout_s: bound on each collective call in seconds (>= 0.001: comm.groups.
-            check_timeout_s); None = the group's own timeout. The cute backend turns it into
+            check_timeout_s); None = the group's own timeout. A gloo collective also gives up
+            at the group's timeout, so a larger timeout_s does not extend it there. The cute backend turns it into
             each device-side wait's poll count (kernels.peer_sync.wait_bounds: ~1.5x timeout_s
             on the H200; None = the kernels' default, 10 s).
 
@@ -171,35 +182,93 @@ class GroupTopology(Topology):
     def _step(self, what: str) -> str:
         return f"{self.name}.{what}"
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 *, check_values: bool = True) -> DispatchResult:
-        """Topology.dispatch; the first call also runs `_check_same_topology` (a collective).
+    def abandon(self, error: BaseException) -> None:
+        """Mark this topology out of step (see the module docstring): later calls raise."""
+        if not self.__dict__.get("_out_of_step"):
+            self._out_of_step = (f"{type(error).__name__} between dispatch #{self.calls} and its "
+                                 f"combine on this rank: {error}")
+
+    def _check_in_step(self) -> None:
+        why = self.__dict__.get("_out_of_step")
+        if why:
+            raise RuntimeError(
+                f"{self.name} rank {self.rank}: this topology is out of step with its peers "
+                f"({why}); its peers may wait in that call's combine. Build new topologies on "
+                "every rank to go on")
+
+    @property
+    def calls(self) -> int:
+        """Dispatch calls so far, those that failed validation included (each rank numbers its
+        own: a rank that skipped or repeated a call is out of step)."""
+        return self.__dict__.get("_calls", 0)
+
+    def _count_call(self) -> None:
+        self._calls = self.calls + 1
+
+    def _before_dispatch(self, device: torch.device) -> None:
+        """The first call checks that every rank built the same topology (`_check_same_topology`,
+        a collective)."""
+        self._check_in_step()
+        if not self.__dict__.get("_agreed"):
+            self._check_same_topology(device)
+            self._agreed = True
+
+    def _before_combine(self) -> None:
+        self._check_in_step()
+
+    def _exchange_header(self, row: Sequence[int], device: torch.device, step: str) -> list[list[int]]:
+        """Every rank's `row` ([kind, a, b, c], HEADER_KINDS) through a fixed-size all-reduce
+        (one size for every such check, so checks out of step meet each other, not a
+        collective of another size, and say so).
 
         Raises:
-            ValueError: besides Topology.dispatch's, from `_check_same_topology`.
+            ValueError: on every rank, when another rank is at a check of another kind.
         """
-        if not self.__dict__.get("_agreed"):
-            self._check_same_topology(x.device)
-            self._agreed = True
-        return super().dispatch(x, topk_ids, topk_weights, check_values=check_values)
+        mine = torch.zeros(self.world_size, 4, dtype=torch.int64)
+        mine[self.rank] = torch.tensor(list(row))
+        every = all_reduce_sum(mine.to(device), group=self.group, timeout_s=self.timeout_s,
+                               step=self._step(step)).tolist()
+        other = next((r for r, e in enumerate(every) if e[0] != row[0]), None)
+        if other is not None:
+            raise ValueError(f"{self.name} rank {self.rank}: the ranks are out of step: this rank "
+                             f"is at {_header_text(every[self.rank])}, rank {other} at "
+                             f"{_header_text(every[other])}; every rank must make the same calls "
+                             "in the same order")
+        return every
 
     def _check_same_topology(self, device: torch.device) -> None:
-        """Every rank's (topology, num_experts) through a fixed-size all-reduce: ranks that split
-        the experts differently would exchange rows of the wrong sizes (which aborts gloo /
-        NCCL) or sum partial results of another split.
+        """Every rank's (topology, num_experts) through `_exchange_header`: ranks that split the
+        experts differently would exchange rows of the wrong sizes (which aborts gloo / NCCL) or
+        sum partial results of another split.
 
         Raises:
             ValueError: on every rank, naming each rank's (topology, num_experts).
         """
-        names = ("tp", "dp_nvlink", "dp_p2p", self.name)  # (a subclass: its own code)
-        mine = torch.zeros(self.world_size, 2, dtype=torch.int64)
-        mine[self.rank] = torch.tensor([names.index(self.name), self.num_experts])
-        every = all_reduce_sum(mine.to(device), group=self.group, timeout_s=self.timeout_s,
-                               step=self._step("topology check")).tolist()
+        code = _TOPOLOGY_CODES.get(self.name, len(_TOPOLOGY_CODES))
+        every = self._exchange_header((HEADER_KINDS["topology"], code, self.num_experts, 0),
+                                      device, "topology check")
         if any(r != every[self.rank] for r in every):
             raise ValueError(f"{self.name} rank {self.rank}: every rank must build the same "
                              "topology; (topology, num_experts) per rank: "
-                             f"{[(names[n], e) for n, e in every]}")
+                             f"{[(_topology_name(n), e) for _, n, e, _ in every]}")
+
+
+HEADER_KINDS = {"topology": 1, "combine": 2}  # GroupTopology._exchange_header's first column
+_TOPOLOGY_CODES = {"tp": 0, "dp_nvlink": 1, "dp_p2p": 2}
+
+
+def _topology_name(code: int) -> str:
+    names = {c: n for n, c in _TOPOLOGY_CODES.items()}
+    return names.get(code, f"another topology (code {code})")
+
+
+def _header_text(row: Sequence[int]) -> str:
+    kind, a, b, c = row
+    if kind == HEADER_KINDS["topology"]:
+        return f"the first call's topology check ({_topology_name(a)}, {b} experts)"
+    if kind == HEADER_KINDS["combine"]:
+        return f"the combine of dispatch #{c} (T={a}, H={b})"
+    return f"an unknown check {list(row)}"
 
 
 class DataParallelTopology(GroupTopology):
@@ -223,19 +292,26 @@ class DataParallelTopology(GroupTopology):
         order = torch.sort(flat, stable=True).indices
         send_counts = torch.bincount(flat, minlength=self.num_experts)
         # (hidden, dtype) ride along with the counts: rows of another size or dtype would make
-        # the row all-to-all abort the process inside gloo/NCCL instead of raising.
-        meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype]], device=x.device)
-        send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 2)], 1).flatten()
+        # the row all-to-all abort the process inside gloo/NCCL instead of raising; so does
+        # the dispatch number: a peer at another call (out of step) would send its rows to
+        # another layer's experts.
+        meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype], self.calls], device=x.device)
+        send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 3)], 1).flatten()
         recv = torch.empty_like(send)
         all_to_all_single(recv, send, group=self.group,
                           step=self._step("dispatch counts"), timeout_s=self.timeout_s)
-        recv = recv.view(W, E_local + 2)
+        recv = recv.view(W, E_local + 3)
         peers_meta = recv[:, E_local:]
-        if bool((peers_meta != meta).any()):
+        if bool((peers_meta[:, 2] != self.calls).any()):
+            raise ValueError(
+                f"{self.name} rank {self.rank}: the ranks are out of step: this rank is at "
+                f"dispatch #{self.calls}, the ranks at {peers_meta[:, 2].tolist()}; every rank "
+                "must make the same calls in the same order")
+        if bool((peers_meta[:, :2] != meta[:2]).any()):
             raise ValueError(
                 f"{self.name} rank {self.rank}: every rank must dispatch rows of the same hidden "
                 f"size and dtype; this rank has (H={x.shape[1]}, {x.dtype}), ranks sent "
-                f"{[(int(h), _DTYPES[int(d)]) for h, d in peers_meta.tolist()]}")
+                f"{[(int(h), _DTYPES[int(d)]) for h, d, _ in peers_meta.tolist()]}")
         send_splits = send_counts.view(W, E_local).sum(1).tolist()
         recv_counts = recv[:, :E_local]
         recv_splits = recv_counts.sum(1).tolist()
@@ -379,6 +455,13 @@ class PeerBufferTopology(GroupTopology):
         self.peer_buffers = None
         self.backend_reason: Optional[str] = None
         self._asked_auto = self.backend == "auto"
+
+    def abandon(self, error: BaseException) -> None:
+        """GroupTopology.abandon, except on the settled cute backend, whose calls are bounded
+        by its own protocol (a peer's kernels time out, the buffers break until every rank
+        calls peer_buffers.reset())."""
+        if self.backend != "cute":
+            super().abandon(error)
 
     def _peer_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor):
         """The PeerBuffers for this call, or None for the reference path (see the class

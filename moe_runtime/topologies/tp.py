@@ -28,7 +28,7 @@ import torch
 from ..comm import all_reduce_sum
 from ..kernels import get_ops, reference
 from .base import DispatchResult
-from .distributed import PeerBufferTopology
+from .distributed import HEADER_KINDS, PeerBufferTopology
 
 
 class TPTopology(PeerBufferTopology):
@@ -63,7 +63,8 @@ class TPTopology(PeerBufferTopology):
         T, k = topk_ids.shape
         expected = -(-T * k // self.world_size) + self.num_local_experts * (self.align - 1)
         return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights,
-                                                  "peer_buffers": bufs}, expected_rows=expected)
+                                                  "peer_buffers": bufs, "call": self.calls},
+                              expected_rows=expected)
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
@@ -72,22 +73,27 @@ class TPTopology(PeerBufferTopology):
             return tp_combine_all_reduce(h["peer_buffers"], [expert_y], h["token_slot"][None],
                                          h["topk_weights"], **self._kernel_bounds())[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
-        self._check_same_tokens(partial)
+        self._check_same_tokens(partial, h["call"])
         all_reduce_sum(partial, group=self.group, step=self._step("combine all_reduce"),
                        timeout_s=self.timeout_s)
         return partial.to(expert_y.dtype)
 
-    def _check_same_tokens(self, partial: torch.Tensor) -> None:
-        """Reference backend: every rank's (T, H) through a fixed-size all-reduce before the
-        [T, H] one, whose mismatched sizes would abort the process (gloo) or hang (NCCL).
+    def _check_same_tokens(self, partial: torch.Tensor, call: int) -> None:
+        """Reference backend: every rank's (T, H) and dispatch number `call` through a
+        fixed-size all-reduce (GroupTopology._exchange_header) before the [T, H] one, whose
+        mismatched sizes would abort the process (gloo) or hang (NCCL), and whose partial sums
+        from another call or layer would be added silently.
 
         Raises:
-            ValueError: on every rank, naming each rank's (tokens, hidden)."""
-        shapes = torch.zeros(self.world_size, 2, dtype=torch.int64)
-        shapes[self.rank] = torch.tensor(partial.shape)
-        shapes = all_reduce_sum(shapes.to(partial.device), group=self.group,
-                                step=self._step("combine shapes"), timeout_s=self.timeout_s)
-        per_rank = [tuple(r) for r in shapes.tolist()]
+            ValueError: on every rank, naming each rank's (tokens, hidden) or dispatch number."""
+        T, H = partial.shape
+        every = self._exchange_header((HEADER_KINDS["combine"], T, H, call), partial.device,
+                                      "combine shapes")
+        if any(c != call for *_, c in every):
+            raise ValueError(f"tp rank {self.rank}: the ranks are out of step: this rank combines "
+                             f"dispatch #{call}, the ranks {[c for *_, c in every]}; every rank "
+                             "must make the same calls in the same order")
+        per_rank = [(t, h) for _, t, h, _ in every]
         if len(set(per_rank)) > 1:
             raise ValueError(f"tp rank {self.rank}: every rank must pass the same tokens; "
                              f"(tokens, hidden) per rank {per_rank}")
