@@ -356,7 +356,7 @@ class MoELayer(nn.Module):
         try:
             expert_y = self.experts(result.expert_x, result.expert_offsets, **hint)
         except BaseException as e:  # the peers wait in this call's combine (Topology.abandon)
-            self.topology.abandon(e)
+            self.topology.abandon(result, e)
             raise
         y = self.topology.combine(expert_y, result)
         if self.shared_expert is not None:

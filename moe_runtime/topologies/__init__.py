@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..comm.groups import check_timeout_s
-from .base import DispatchResult, Topology, validate_routing
+from .base import CallAbandoned, DispatchResult, Topology, validate_routing
 from .distributed import (CUTE_TOPOLOGIES, BackendNotImplementedError, DataParallelTopology,
                           GroupTopology, PeerBufferTopology, auto_picks_cute,
                           resolve_group_backend)
@@ -87,7 +87,7 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
 
 
 __all__ = [
-    "TOPOLOGIES", "make_topology", "Topology", "DispatchResult", "validate_routing",
+    "TOPOLOGIES", "make_topology", "Topology", "DispatchResult", "CallAbandoned", "validate_routing",
     "LocalTopology", "TPTopology", "DPNVLinkTopology", "DPP2PTopology", "DataParallelTopology",
     "GroupTopology", "PeerBufferTopology", "BackendNotImplementedError", "resolve_group_backend",
     "auto_picks_cute", "CUTE_TOPOLOGIES",

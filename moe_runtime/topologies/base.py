@@ -39,6 +39,12 @@ class DispatchResult:
     expected_rows: Optional[int] = None
 
 
+class CallAbandoned(RuntimeError):
+    """A peer rank raised between this call's dispatch and its combine and took its part in
+    the combine without a result (Topology.abandon): the call has no result on any rank, and
+    the ranks are still in step (the next call works)."""
+
+
 class Topology(abc.ABC):
     """Base class: rank/world bookkeeping, the even expert split, input validation.
 
@@ -97,7 +103,7 @@ class Topology(abc.ABC):
         except (ValueError, TypeError):
             raise  # (checks that raise on every rank, or before any collective)
         except BaseException as e:  # e.g. a collective failed: the ranks' state is unknown
-            self.abandon(e)
+            self._mark_out_of_step(e)
             raise
 
     def combine(self, expert_y: torch.Tensor, result: DispatchResult) -> torch.Tensor:
@@ -107,27 +113,36 @@ class Topology(abc.ABC):
             ValueError: expert_y has fewer rows than dispatch produced, another hidden size or
                 another device. TypeError: another dtype than expert_x.
         """
-        ex = result.expert_x
-        if expert_y.dim() != 2 or expert_y.shape[0] < ex.shape[0] or expert_y.shape[1] != ex.shape[1]:
-            raise ValueError(f"expert_y must be [>= {ex.shape[0]}, {ex.shape[1]}] like expert_x, "
-                             f"got {tuple(expert_y.shape)}")
-        if expert_y.device != ex.device:
-            raise ValueError(f"expert_y must be on {ex.device}, got {expert_y.device}")
-        if expert_y.dtype != ex.dtype:
-            raise TypeError(f"expert_y must have expert_x's dtype {ex.dtype}, got {expert_y.dtype}")
         self._before_combine()
+        ex = result.expert_x
+        try:
+            if expert_y.dim() != 2 or expert_y.shape[0] < ex.shape[0] or expert_y.shape[1] != ex.shape[1]:
+                raise ValueError(f"expert_y must be [>= {ex.shape[0]}, {ex.shape[1]}] like "
+                                 f"expert_x, got {tuple(expert_y.shape)}")
+            if expert_y.device != ex.device:
+                raise ValueError(f"expert_y must be on {ex.device}, got {expert_y.device}")
+            if expert_y.dtype != ex.dtype:
+                raise TypeError(f"expert_y must have expert_x's dtype {ex.dtype}, got {expert_y.dtype}")
+        except (ValueError, TypeError) as e:  # (the peers are in this combine: release them)
+            self.abandon(result, e)
+            raise
         try:
             return self._combine(expert_y.contiguous(), result)
-        except (ValueError, TypeError):
-            raise
+        except (ValueError, TypeError, CallAbandoned):
+            raise  # (raised on every rank after an exchange)
         except BaseException as e:
-            self.abandon(e)
+            self._mark_out_of_step(e)
             raise
 
-    def abandon(self, error: BaseException) -> None:
-        """Note that this rank stopped between a dispatch and its combine (`error` raised in
-        dispatch, combine or in between, e.g. in the experts). Nothing for one rank; the
-        multi-rank topologies then refuse further calls (GroupTopology). MoELayer calls it."""
+    def abandon(self, result: DispatchResult, error: BaseException) -> None:
+        """This rank will not combine `result` (`error` was raised after its dispatch, e.g. by
+        the experts; MoELayer and combine's own checks call this): the multi-rank topologies
+        take their part in that combine so that the peers raise RuntimeError naming this rank
+        instead of waiting (GroupTopology). Nothing for one rank."""
+
+    def _mark_out_of_step(self, error: BaseException) -> None:
+        """A collective failed (or was interrupted) on this rank: multi-rank topologies refuse
+        further calls (GroupTopology)."""
 
     def _count_call(self) -> None:
         """Before anything else in dispatch (multi-rank: GroupTopology numbers the calls)."""

@@ -25,13 +25,16 @@ validation raises before its first collective, so its peers raise CollectiveErro
 Ranks out of step (one rank went on after an error, so its calls pair with other layers' or
 calls' on its peers) are caught where a header is exchanged: every topology numbers its
 dispatches, and the dp counts exchange and tp's combine check carry that number (ValueError on
-every rank instead of rows of another layer). Not caught: the same number of calls made in
-another order (two models, or layers sharing one topology, run in another order on one rank). A rank that stopped between a dispatch and its
-combine (an error in between, e.g. in the experts, or in either) marks its topology out of
-step (`abandon`; MoELayer does it): its next dispatch or combine raises RuntimeError at once,
-without a collective, so its peers time out in the combine they wait in (CollectiveError)
-instead of pairing it with a dispatch of other sizes (which aborts gloo). Build new topologies
-on every rank to go on.
+every rank instead of rows of another layer; the ranks stay apart: build new topologies).
+Not caught: the same number of calls made in another order (two models, or layers sharing one
+topology, run in another order on one rank), nor on the cute backends (no header).
+A rank that raised between a dispatch and its combine (e.g. in the experts, or in combine's
+checks) takes its part in that combine without a result (`abandon`; MoELayer does it): a
+header of kind "abandoned" (tp) or a status row per peer (dp), so its peers raise
+RuntimeError naming it and every rank stays in step (a retry works). On the cute backends it
+marks the peer buffers broken instead (the peers' kernels time out; every rank then calls
+peer_buffers.reset()). A collective that failed or was interrupted leaves the ranks' state
+unknown: that topology then refuses further calls (RuntimeError, no collective).
 
 Backends (`resolve_group_backend`): every topology here has "reference" (the torch.distributed
 protocol above for dp, an all-reduce for tp). `tp` and `dp_nvlink` also have "cute"
@@ -79,7 +82,7 @@ from .. import kernels
 from ..comm import all_gather_object, all_reduce_sum, all_to_all_single, group_rank_size
 from ..comm.groups import check_timeout_s
 from ..kernels import reference
-from .base import DispatchResult, Topology
+from .base import CallAbandoned, DispatchResult, Topology
 
 log = logging.getLogger("moe_runtime")
 
@@ -182,19 +185,41 @@ class GroupTopology(Topology):
     def _step(self, what: str) -> str:
         return f"{self.name}.{what}"
 
-    def abandon(self, error: BaseException) -> None:
-        """Mark this topology out of step (see the module docstring): later calls raise."""
-        if not self.__dict__.get("_out_of_step"):
-            self._out_of_step = (f"{type(error).__name__} between dispatch #{self.calls} and its "
-                                 f"combine on this rank: {error}")
+    def abandon(self, result: DispatchResult, error: BaseException) -> None:
+        """Take this rank's part in the combine of `result` without a result (see the module
+        docstring): the peers raise RuntimeError naming this rank, and every rank stays in
+        step. On the cute backend, mark the peer buffers broken instead (its peers' kernels
+        time out; every rank then calls peer_buffers.reset()). If that fails too, this
+        topology refuses further calls (`_mark_out_of_step`)."""
+        if self.world_size == 1:
+            return
+        bufs = result.handle.get("peer_buffers")
+        if bufs is not None:
+            bufs.broken = bufs.broken or (f"rank {self.rank} left dispatch #{self.calls} without "
+                                          f"its combine ({type(error).__name__}: {error})")
+            return
+        try:
+            self._release_peers(result)
+        except BaseException as e:
+            self._mark_out_of_step(e)
+
+    def _release_peers(self, result: DispatchResult) -> None:
+        """The reference protocol's part of a combine that has no result (tp, dp)."""
+        raise NotImplementedError
+
+    def _mark_out_of_step(self, error: BaseException) -> None:
+        """A collective failed or was interrupted on this rank: the ranks' state is unknown, so
+        later calls raise RuntimeError without a collective (their peers time out)."""
+        if self.world_size > 1 and not self.__dict__.get("_out_of_step"):
+            self._out_of_step = (f"{type(error).__name__} in or after dispatch #{self.calls} on "
+                                 f"this rank: {error}")
 
     def _check_in_step(self) -> None:
         why = self.__dict__.get("_out_of_step")
         if why:
             raise RuntimeError(
                 f"{self.name} rank {self.rank}: this topology is out of step with its peers "
-                f"({why}); its peers may wait in that call's combine. Build new topologies on "
-                "every rank to go on")
+                f"({why}). Build new topologies on every rank to go on")
 
     @property
     def calls(self) -> int:
@@ -216,18 +241,29 @@ class GroupTopology(Topology):
     def _before_combine(self) -> None:
         self._check_in_step()
 
-    def _exchange_header(self, row: Sequence[int], device: torch.device, step: str) -> list[list[int]]:
+    def _send_header(self, row: Sequence[int], device: torch.device, step: str) -> list[list[int]]:
         """Every rank's `row` ([kind, a, b, c], HEADER_KINDS) through a fixed-size all-reduce
         (one size for every such check, so checks out of step meet each other, not a
-        collective of another size, and say so).
-
-        Raises:
-            ValueError: on every rank, when another rank is at a check of another kind.
-        """
+        collective of another size)."""
         mine = torch.zeros(self.world_size, 4, dtype=torch.int64)
         mine[self.rank] = torch.tensor(list(row))
-        every = all_reduce_sum(mine.to(device), group=self.group, timeout_s=self.timeout_s,
-                               step=self._step(step)).tolist()
+        return all_reduce_sum(mine.to(device), group=self.group, timeout_s=self.timeout_s,
+                              step=self._step(step)).tolist()
+
+    def _exchange_header(self, row: Sequence[int], device: torch.device, step: str) -> list[list[int]]:
+        """`_send_header`, checked.
+
+        Raises:
+            CallAbandoned (a RuntimeError): on every rank but the one, when a rank left this
+                call's dispatch without its combine (`abandon`).
+            ValueError: on every rank, when another rank is at a check of another kind.
+        """
+        every = self._send_header(row, device, step)
+        gone = next((r for r, e in enumerate(every) if e[0] == HEADER_KINDS["abandoned"]), None)
+        if gone is not None:
+            raise CallAbandoned(f"{self.name} rank {self.rank}: rank {gone} left dispatch "
+                               f"#{every[gone][3]} without its combine (it raised; see its "
+                               "error): this call has no result")
         other = next((r for r, e in enumerate(every) if e[0] != row[0]), None)
         if other is not None:
             raise ValueError(f"{self.name} rank {self.rank}: the ranks are out of step: this rank "
@@ -253,7 +289,7 @@ class GroupTopology(Topology):
                              f"{[(_topology_name(n), e) for _, n, e, _ in every]}")
 
 
-HEADER_KINDS = {"topology": 1, "combine": 2}  # GroupTopology._exchange_header's first column
+HEADER_KINDS = {"topology": 1, "combine": 2, "abandoned": 3}  # _send_header's first column
 _TOPOLOGY_CODES = {"tp": 0, "dp_nvlink": 1, "dp_p2p": 2}
 
 
@@ -266,7 +302,7 @@ def _header_text(row: Sequence[int]) -> str:
     kind, a, b, c = row
     if kind == HEADER_KINDS["topology"]:
         return f"the first call's topology check ({_topology_name(a)}, {b} experts)"
-    if kind == HEADER_KINDS["combine"]:
+    if kind in (HEADER_KINDS["combine"], HEADER_KINDS["abandoned"]):
         return f"the combine of dispatch #{c} (T={a}, H={b})"
     return f"an unknown check {list(row)}"
 
@@ -330,15 +366,41 @@ class DataParallelTopology(GroupTopology):
         return DispatchResult(expert_x, offsets, {
             "recv_slot": recv_slot.view(-1).long(), "send_splits": send_splits,
             "recv_splits": recv_splits, "token_slot": token_slot.view(T, k),
-            "topk_weights": topk_weights})
+            "topk_weights": topk_weights, "call": self.calls})
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
-        returned = expert_y.new_empty(sum(h["send_splits"]), expert_y.shape[1])
-        all_to_all_single(returned, expert_y[h["recv_slot"]], output_split_sizes=h["send_splits"],
-                          input_split_sizes=h["recv_splits"], group=self.group,
-                          step=self._step("combine rows"), timeout_s=self.timeout_s)
+        returned, gone = self._return_rows(expert_y[h["recv_slot"]], h, status=0)
+        if gone:
+            raise CallAbandoned(f"{self.name} rank {self.rank}: rank(s) {gone} left dispatch "
+                               f"#{h['call']} without its combine (they raised; see their "
+                               "errors): this call has no result")
         return reference.combine(returned, h["token_slot"], h["topk_weights"])
+
+    def _release_peers(self, result: DispatchResult) -> None:
+        ex = result.expert_x
+        self._return_rows(ex.new_zeros(sum(result.handle["recv_splits"]), ex.shape[1]),
+                          result.handle, status=1)
+
+    def _return_rows(self, rows: torch.Tensor, h: dict, status: int) -> tuple[torch.Tensor, list[int]]:
+        """The combine's all-to-all: `rows` (in received order) back to their source ranks,
+        each rank's part followed by one status row (0: rows, 1: this rank has no result,
+        `abandon`). Returns (the rows this rank sent out, in its send order; the ranks whose
+        status was 1), a host read of W values."""
+        H = rows.shape[1]
+        flag = rows.new_full((1, H), float(status))
+        parts = torch.split(rows, h["recv_splits"])
+        send = torch.cat([t for part in parts for t in (part, flag)])
+        back = [n + 1 for n in h["send_splits"]]
+        returned = rows.new_empty(sum(back), H)
+        all_to_all_single(returned, send, output_split_sizes=back,
+                          input_split_sizes=[n + 1 for n in h["recv_splits"]], group=self.group,
+                          step=self._step("combine rows"), timeout_s=self.timeout_s)
+        ends = torch.tensor(back).cumsum(0) - 1
+        statuses = returned[ends.to(rows.device), 0].tolist()
+        keep = torch.ones(sum(back), dtype=torch.bool)
+        keep[ends] = False
+        return returned[keep.to(rows.device)], [r for r, v in enumerate(statuses) if v != 0]
 
 
 # ------------------------------------------------------------------------- the cute backends
@@ -455,13 +517,6 @@ class PeerBufferTopology(GroupTopology):
         self.peer_buffers = None
         self.backend_reason: Optional[str] = None
         self._asked_auto = self.backend == "auto"
-
-    def abandon(self, error: BaseException) -> None:
-        """GroupTopology.abandon, except on the settled cute backend, whose calls are bounded
-        by its own protocol (a peer's kernels time out, the buffers break until every rank
-        calls peer_buffers.reset())."""
-        if self.backend != "cute":
-            super().abandon(error)
 
     def _peer_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor):
         """The PeerBuffers for this call, or None for the reference path (see the class

@@ -78,6 +78,11 @@ class TPTopology(PeerBufferTopology):
                        timeout_s=self.timeout_s)
         return partial.to(expert_y.dtype)
 
+    def _release_peers(self, result: DispatchResult) -> None:
+        T, H = result.handle["token_slot"].shape[0], result.expert_x.shape[1]
+        self._send_header((HEADER_KINDS["abandoned"], T, H, result.handle["call"]),
+                          result.expert_x.device, "combine shapes")
+
     def _check_same_tokens(self, partial: torch.Tensor, call: int) -> None:
         """Reference backend: every rank's (T, H) and dispatch number `call` through a
         fixed-size all-reduce (GroupTopology._exchange_header) before the [T, H] one, whose
