@@ -330,6 +330,44 @@ def test_two_real_ranks_host_code():
             "dp_nvlink rank 1, backend 'cute': hidden=12: rows must be a multiple of 16 bytes"), msg1
 
 
+def w_broken_then_reset(rank, world):
+    """Two ranks of the cute tp host code (kernels recorded): call 1, buffers broken (as after
+    a device error), call 2 refused, every rank resets, call 3 works."""
+    os.environ["MOE_RUNTIME_SMS"] = "132"
+    torch.cuda.is_available = lambda: True
+    from _recorded import record_launches
+    from moe_runtime.kernels import cute_ops, reference
+    from moe_runtime.topologies import distributed
+    distributed.CUTE_DEVICE_TYPE = "cpu"
+    cute_ops.dispatch = reference.dispatch
+    record_launches(setattr)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(3)]).int()
+    w = torch.rand(3, 2, generator=g)
+    tp = make_topology("tp", E, backend="cute", max_tokens_per_rank=16, transport="ipc")
+    out = []
+    for call in (1, 2, 3):
+        if call == 2:
+            tp.peer_buffers.broken = "a device error"
+        if call == 3:
+            tp.peer_buffers.reset()
+        try:
+            res = tp.dispatch(x, ids, w)
+            tp.combine(res.expert_x, res)
+            out.append("ok")
+        except RuntimeError as e:
+            out.append(str(e))
+    return out
+
+
+def test_cute_buffers_broken_then_reset_work_again():
+    """A device error breaks the buffers until every rank resets them; the topology itself is
+    not marked out of step (that is for failed reference collectives)."""
+    for out in run_distributed(w_broken_then_reset, 2, timeout_s=120):
+        assert out[0] == out[2] == "ok" and "call reset()" in out[1], out
+
+
 def w_auto_two_ranks(rank, world, cute_on):
     """backend "auto" on 2 real ranks whose CuTeDSL availability is cute_on[rank]: the
     construction leaves it unresolved on both, so both join the first CUDA call's gather and

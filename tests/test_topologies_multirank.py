@@ -425,6 +425,36 @@ def test_stalled_peer_raises_within_timeout(pools, topo_name, use_call_timeout):
     assert secs < 1.0 + 3.0, secs  # the bound is 1 s; slack for a loaded CI machine
 
 
+def w_abandon_twice(rank, world, topo_name):
+    """Rank 1's experts fail on call 2 and it abandons that result twice (MoELayer-style, then
+    a user's own handler): the second is a no-op, so call 3 works on both ranks."""
+    from moe_runtime.comm import new_group
+    topo = make_topology(topo_name, E, group=new_group(), backend="reference", timeout_s=3)
+    x = torch.randn(3, 8) if topo_name != "tp" else torch.ones(3, 8)
+    ids = torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32)
+    w = torch.full((3, 2), 0.5)
+    out = []
+    for call in (1, 2, 3):
+        res = topo.dispatch(x, ids, w)
+        try:
+            if rank == 1 and call == 2:
+                error = RuntimeError("planted")
+                topo.abandon(res, error)
+                topo.abandon(res, error)
+                raise error
+            topo.combine(res.expert_x, res)
+            out.append("ok")
+        except Exception as e:
+            out.append(type(e).__name__)
+    return out
+
+
+@pytest.mark.parametrize("topo_name", ["tp", "dp_p2p"])
+def test_abandoning_a_result_twice_is_a_no_op(pools, topo_name):
+    r0, r1 = pools(2).run(w_abandon_twice, topo_name, timeout_s=60)
+    assert r0 == ["ok", "CallAbandoned", "ok"] and r1 == ["ok", "RuntimeError", "ok"], (r0, r1)
+
+
 @pytest.mark.parametrize("topo_name", TOPOS)
 def test_a_world_of_one_goes_on_after_an_interrupt_in_the_experts(topo_name):
     """No peers, nothing to release or refuse: the call after an interrupt works."""

@@ -131,14 +131,18 @@ class Topology(abc.ABC):
         except (ValueError, TypeError, CallAbandoned):
             raise  # (raised on every rank after an exchange)
         except BaseException as e:
-            self._mark_out_of_step(e)
+            if result.handle.get("settled"):  # (its exchange started: the ranks' state is unknown)
+                self._mark_out_of_step(e)
+            else:  # e.g. an OOM before the exchange: the peers wait in it
+                self.abandon(result, e)
             raise
 
     def abandon(self, result: DispatchResult, error: BaseException) -> None:
         """This rank will not combine `result` (`error` was raised after its dispatch, e.g. by
         the experts; MoELayer and combine's own checks call this): the multi-rank topologies
-        take their part in that combine so that the peers raise RuntimeError naming this rank
-        instead of waiting (GroupTopology). Nothing for one rank."""
+        take their part in that combine so that the peers raise CallAbandoned naming this rank
+        instead of waiting (GroupTopology). Nothing for one rank, nor for a result whose
+        combine exchange has started or that was abandoned already (`settled`)."""
 
     def _mark_out_of_step(self, error: BaseException) -> None:
         """A collective failed (or was interrupted) on this rank: multi-rank topologies refuse
@@ -176,8 +180,8 @@ def validate_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] < 1:
+        raise ValueError(f"x must be 2-D [T, H] with H >= 1, got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if topk_ids.dtype != torch.int32:

@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..comm import all_gather_object, all_reduce_sum, all_to_all_single, group_rank_size
-from ..comm.groups import check_timeout_s
+from ..comm.groups import CollectiveError, check_timeout_s
 from ..kernels import reference
 from .base import CallAbandoned, DispatchResult, Topology
 
@@ -191,8 +191,9 @@ class GroupTopology(Topology):
         step. On the cute backend, mark the peer buffers broken instead (its peers' kernels
         time out; every rank then calls peer_buffers.reset()). If that fails too, this
         topology refuses further calls (`_mark_out_of_step`)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or result.handle.get("settled"):
             return
+        result.handle["settled"] = True
         bufs = result.handle.get("peer_buffers")
         if bufs is not None:
             bufs.broken = bufs.broken or (f"rank {self.rank} left dispatch #{self.calls} without "
@@ -208,8 +209,12 @@ class GroupTopology(Topology):
         raise NotImplementedError
 
     def _mark_out_of_step(self, error: BaseException) -> None:
-        """A collective failed or was interrupted on this rank: the ranks' state is unknown, so
-        later calls raise RuntimeError without a collective (their peers time out)."""
+        """A reference collective failed (CollectiveError) or was interrupted on this rank: the
+        ranks' state is unknown, so later calls raise RuntimeError without a collective (their
+        peers time out). Other errors leave the topology as it is (e.g. the cute backend's
+        PeerTimeoutError: its buffers break until reset())."""
+        if not isinstance(error, (CollectiveError, KeyboardInterrupt, SystemExit)):
+            return
         if self.world_size > 1 and not self.__dict__.get("_out_of_step"):
             self._out_of_step = (f"{type(error).__name__} in or after dispatch #{self.calls} on "
                                  f"this rank: {error}")
@@ -259,12 +264,14 @@ class GroupTopology(Topology):
             ValueError: on every rank, when another rank is at a check of another kind.
         """
         every = self._send_header(row, device, step)
-        gone = next((r for r, e in enumerate(every) if e[0] == HEADER_KINDS["abandoned"]), None)
-        if gone is not None:
+        gone = next((r for r, e in enumerate(every) if e[0] == HEADER_KINDS["abandoned"]
+                     and row[0] == HEADER_KINDS["combine"] and e[3] == row[3]), None)
+        if gone is not None:  # (the same call: else out of step, below)
             raise CallAbandoned(f"{self.name} rank {self.rank}: rank {gone} left dispatch "
                                f"#{every[gone][3]} without its combine (it raised; see its "
                                "error): this call has no result")
-        other = next((r for r, e in enumerate(every) if e[0] != row[0]), None)
+        other = next((r for r, e in enumerate(every) if e[0] != row[0] or (
+            row[0] == HEADER_KINDS["combine"] and e[3] != row[3])), None)
         if other is not None:
             raise ValueError(f"{self.name} rank {self.rank}: the ranks are out of step: this rank "
                              f"is at {_header_text(every[self.rank])}, rank {other} at "
@@ -361,46 +368,53 @@ class DataParallelTopology(GroupTopology):
         expert_x, offsets, recv_slot = reference.dispatch(
             recv_rows, local_ids.to(torch.int32).view(-1, 1), expert_start=0,
             num_local_experts=E_local, align=self.align)
-        token_slot = torch.empty(T * k, dtype=torch.int32, device=x.device)
-        token_slot[order] = torch.arange(T * k, dtype=torch.int32, device=x.device)
+        # combine's all-to-all sends each source rank its rows and then one status row: the
+        # positions, computed here where the splits are on the host already (one copy)
+        send_n, back_n = [n + 1 for n in recv_splits], [n + 1 for n in send_splits]
+        starts = torch.tensor([0] + send_n[:-1]).cumsum(0)
+        row_pos = torch.cat([torch.arange(n) + s for n, s in zip(recv_splits, starts.tolist())])
+        back_status = torch.tensor(back_n).cumsum(0) - 1
+        dest = torch.bucketize(torch.arange(T * k), torch.tensor(send_splits).cumsum(0), right=True)
+        pos = torch.cat([row_pos, starts + torch.tensor(recv_splits), back_status, dest]).to(x.device)
+        row_pos, send_status, back_status, dest = pos.split([len(row_pos), W, W, T * k])
+        token_slot = torch.empty(T * k, dtype=torch.long, device=x.device)
+        token_slot[order] = torch.arange(T * k, device=x.device) + dest  # (past the status rows)
         return DispatchResult(expert_x, offsets, {
             "recv_slot": recv_slot.view(-1).long(), "send_splits": send_splits,
-            "recv_splits": recv_splits, "token_slot": token_slot.view(T, k),
-            "topk_weights": topk_weights, "call": self.calls})
+            "recv_splits": recv_splits, "token_slot": token_slot.view(T, k).to(torch.int32),
+            "topk_weights": topk_weights, "call": self.calls, "row_pos": row_pos,
+            "send_status": send_status, "back_status": back_status})
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
-        returned, gone = self._return_rows(expert_y[h["recv_slot"]], h, status=0)
+        send = expert_y.new_empty(sum(h["recv_splits"]) + self.world_size, expert_y.shape[1])
+        send[h["row_pos"]] = expert_y[h["recv_slot"]]
+        h["settled"] = True
+        returned, gone = self._return_rows(send, h, status=0)
         if gone:
             raise CallAbandoned(f"{self.name} rank {self.rank}: rank(s) {gone} left dispatch "
-                               f"#{h['call']} without its combine (they raised; see their "
-                               "errors): this call has no result")
+                                f"#{h['call']} without its combine (they raised; see their "
+                                "errors): this call has no result")
         return reference.combine(returned, h["token_slot"], h["topk_weights"])
 
     def _release_peers(self, result: DispatchResult) -> None:
-        ex = result.expert_x
-        self._return_rows(ex.new_zeros(sum(result.handle["recv_splits"]), ex.shape[1]),
-                          result.handle, status=1)
+        ex, h = result.expert_x, result.handle
+        self._return_rows(ex.new_zeros(sum(h["recv_splits"]) + self.world_size, ex.shape[1]), h,
+                          status=1)
 
-    def _return_rows(self, rows: torch.Tensor, h: dict, status: int) -> tuple[torch.Tensor, list[int]]:
-        """The combine's all-to-all: `rows` (in received order) back to their source ranks,
-        each rank's part followed by one status row (0: rows, 1: this rank has no result,
-        `abandon`). Returns (the rows this rank sent out, in its send order; the ranks whose
-        status was 1), a host read of W values."""
-        H = rows.shape[1]
-        flag = rows.new_full((1, H), float(status))
-        parts = torch.split(rows, h["recv_splits"])
-        send = torch.cat([t for part in parts for t in (part, flag)])
+    def _return_rows(self, send: torch.Tensor, h: dict, status: int) -> tuple[torch.Tensor, list[int]]:
+        """The combine's all-to-all: `send` holds, per source rank, the rows it sent and one
+        status row (written here: 0 rows, 1 this rank has no result, `abandon`). Returns (the
+        rows this rank gets back, each peer's part followed by its status row: token_slot
+        indexes them; the ranks whose status was 1), a host read of W values."""
+        send[h["send_status"]] = float(status)
         back = [n + 1 for n in h["send_splits"]]
-        returned = rows.new_empty(sum(back), H)
+        returned = send.new_empty(sum(back), send.shape[1])
         all_to_all_single(returned, send, output_split_sizes=back,
                           input_split_sizes=[n + 1 for n in h["recv_splits"]], group=self.group,
                           step=self._step("combine rows"), timeout_s=self.timeout_s)
-        ends = torch.tensor(back).cumsum(0) - 1
-        statuses = returned[ends.to(rows.device), 0].tolist()
-        keep = torch.ones(sum(back), dtype=torch.bool)
-        keep[ends] = False
-        return returned[keep.to(rows.device)], [r for r, v in enumerate(statuses) if v != 0]
+        statuses = returned[h["back_status"], 0].tolist()
+        return returned, [r for r, v in enumerate(statuses) if v != 0]
 
 
 # ------------------------------------------------------------------------- the cute backends

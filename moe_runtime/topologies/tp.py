@@ -69,10 +69,12 @@ class TPTopology(PeerBufferTopology):
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
         if h["peer_buffers"] is not None:
+            h["settled"] = True
             from ..kernels.allreduce import tp_combine_all_reduce
             return tp_combine_all_reduce(h["peer_buffers"], [expert_y], h["token_slot"][None],
                                          h["topk_weights"], **self._kernel_bounds())[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
+        h["settled"] = True
         self._check_same_tokens(partial, h["call"])
         all_reduce_sum(partial, group=self.group, step=self._step("combine all_reduce"),
                        timeout_s=self.timeout_s)
