@@ -449,6 +449,38 @@ def w_abandon_twice(rank, world, topo_name):
     return out
 
 
+def w_oom_after_the_counts_exchange(rank, world):
+    """dp_p2p: rank 1's dispatch fails after the counts exchange on call 2 (an OOM in the
+    receiver's layout), then both ranks go on: per call, the exception type or "ok"."""
+    from moe_runtime.comm import new_group
+    from moe_runtime.topologies import distributed
+    topo = make_topology("dp_p2p", E, group=new_group(), backend="reference", timeout_s=3)
+    real = distributed.reference.dispatch
+    x, ids = torch.randn(3, 8), torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32)
+    out = []
+    for call in (1, 2, 3):
+        def planted(*a, **kw):
+            raise torch.OutOfMemoryError("planted")
+        distributed.reference.dispatch = planted if rank == 1 and call == 2 else real
+        try:
+            res = topo.dispatch(x, ids, torch.full((3, 2), 0.5))
+            topo.combine(res.expert_x, res)
+            out.append("ok")
+        except Exception as e:
+            out.append(type(e).__name__ + (": out of step" if "out of step" in str(e) else ""))
+        finally:
+            distributed.reference.dispatch = real
+    return out
+
+
+def test_an_error_after_the_dp_counts_exchange_marks_the_rank_out_of_step(pools):
+    """Its peer waits in that call's row exchange: the rank must not go on (a dispatch paired
+    with it aborts gloo); the peer times out and is marked too."""
+    r0, r1 = pools(2).run(w_oom_after_the_counts_exchange, timeout_s=60)
+    assert r0 == ["ok", "CollectiveError", "RuntimeError: out of step"], r0
+    assert r1 == ["ok", "OutOfMemoryError", "RuntimeError: out of step"], r1
+
+
 @pytest.mark.parametrize("topo_name", ["tp", "dp_p2p"])
 def test_abandoning_a_result_twice_is_a_no_op(pools, topo_name):
     r0, r1 = pools(2).run(w_abandon_twice, topo_name, timeout_s=60)

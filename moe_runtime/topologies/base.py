@@ -102,8 +102,8 @@ class Topology(abc.ABC):
             return self._dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous())
         except (ValueError, TypeError):
             raise  # (checks that raise on every rank, or before any collective)
-        except BaseException as e:  # e.g. a collective failed: the ranks' state is unknown
-            self._mark_out_of_step(e)
+        except BaseException as e:  # e.g. a collective failed: the ranks' state may be unknown
+            self._dispatch_failed(e)
             raise
 
     def combine(self, expert_y: torch.Tensor, result: DispatchResult) -> torch.Tensor:
@@ -143,6 +143,10 @@ class Topology(abc.ABC):
         take their part in that combine so that the peers raise CallAbandoned naming this rank
         instead of waiting (GroupTopology). Nothing for one rank, nor for a result whose
         combine exchange has started or that was abandoned already (`settled`)."""
+
+    def _dispatch_failed(self, error: BaseException) -> None:
+        """`_dispatch` raised `error` (not ValueError / TypeError): multi-rank topologies mark
+        themselves out of step where the ranks' state is unknown (GroupTopology)."""
 
     def _mark_out_of_step(self, error: BaseException) -> None:
         """A collective failed (or was interrupted) on this rank: multi-rank topologies refuse

@@ -201,19 +201,30 @@ class GroupTopology(Topology):
             return
         try:
             self._release_peers(result)
-        except BaseException as e:
-            self._mark_out_of_step(e)
+        except BaseException as e:  # (the peers still wait: this rank must not go on)
+            self._out_of_step = (f"{type(e).__name__} while releasing the peers from dispatch "
+                                 f"#{self.calls}: {e}")
 
     def _release_peers(self, result: DispatchResult) -> None:
         """The reference protocol's part of a combine that has no result (tp, dp)."""
         raise NotImplementedError
 
+    def _dispatch_failed(self, error: BaseException) -> None:
+        """Mark out of step when the failed dispatch had started exchanging (a collective
+        failed or was interrupted, or an error after the dp counts exchange, e.g. an OOM: the
+        peers wait in this call's row exchange or combine). Before any exchange the dispatch
+        numbers catch a rank that goes on (tp's dispatch has none)."""
+        if isinstance(error, (CollectiveError, KeyboardInterrupt, SystemExit)) or \
+                self.__dict__.get("_exchanged"):
+            self._mark_out_of_step(error)
+
     def _mark_out_of_step(self, error: BaseException) -> None:
-        """A reference collective failed (CollectiveError) or was interrupted on this rank: the
-        ranks' state is unknown, so later calls raise RuntimeError without a collective (their
-        peers time out). Other errors leave the topology as it is (e.g. the cute backend's
-        PeerTimeoutError: its buffers break until reset())."""
-        if not isinstance(error, (CollectiveError, KeyboardInterrupt, SystemExit)):
+        """The ranks' state is unknown after `error` on this rank (a failed or interrupted
+        collective, or an error once an exchange had started): later calls raise RuntimeError
+        without a collective (their peers time out). Not for the cute backend's device errors
+        (PeerError: its buffers break until every rank calls peer_buffers.reset())."""
+        from ..comm.peer_buffers import PeerError
+        if isinstance(error, PeerError):
             return
         if self.world_size > 1 and not self.__dict__.get("_out_of_step"):
             self._out_of_step = (f"{type(error).__name__} in or after dispatch #{self.calls} on "
@@ -239,6 +250,7 @@ class GroupTopology(Topology):
         """The first call checks that every rank built the same topology (`_check_same_topology`,
         a collective)."""
         self._check_in_step()
+        self._exchanged = False  # (dp: set once its counts exchange starts)
         if not self.__dict__.get("_agreed"):
             self._check_same_topology(device)
             self._agreed = True
@@ -341,6 +353,7 @@ class DataParallelTopology(GroupTopology):
         meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype], self.calls], device=x.device)
         send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 3)], 1).flatten()
         recv = torch.empty_like(send)
+        self._exchanged = True
         all_to_all_single(recv, send, group=self.group,
                           step=self._step("dispatch counts"), timeout_s=self.timeout_s)
         recv = recv.view(W, E_local + 3)
@@ -389,7 +402,6 @@ class DataParallelTopology(GroupTopology):
         h = result.handle
         send = expert_y.new_empty(sum(h["recv_splits"]) + self.world_size, expert_y.shape[1])
         send[h["row_pos"]] = expert_y[h["recv_slot"]]
-        h["settled"] = True
         returned, gone = self._return_rows(send, h, status=0)
         if gone:
             raise CallAbandoned(f"{self.name} rank {self.rank}: rank(s) {gone} left dispatch "
@@ -410,6 +422,7 @@ class DataParallelTopology(GroupTopology):
         send[h["send_status"]] = float(status)
         back = [n + 1 for n in h["send_splits"]]
         returned = send.new_empty(sum(back), send.shape[1])
+        h["settled"] = True  # (an error before here releases the peers: Topology.combine)
         all_to_all_single(returned, send, output_split_sizes=back,
                           input_split_sizes=[n + 1 for n in h["recv_splits"]], group=self.group,
                           step=self._step("combine rows"), timeout_s=self.timeout_s)
