@@ -25,7 +25,7 @@ log = logging.getLogger("moe_runtime")
 TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
 
 
-_SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent)
+_SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent, _advanced)
 
 
 class RankError(RuntimeError):
@@ -425,10 +425,11 @@ class Engine:
 
     def _advanced(self, ranks: list[int], steps: dict[int, int]) -> bool:
         """Whether any of `ranks` did more steps than recorded in `steps` (updated); a rank
-        that does not answer within min(timeout_s, 10 s) counts as not advanced."""
+        that does not answer within _SILENT_S (a Ray call's round trip on a loaded machine can
+        exceed a short timeout_s) counts as not advanced."""
         import ray
         refs = {self.workers[r].progress.remote(): r for r in ranks}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=min(self.timeout_s, 10.0))
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_SILENT_S)
         advanced = False
         for ref in ready:
             r = refs[ref]
