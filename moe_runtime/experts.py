@@ -9,7 +9,7 @@ from torch import nn
 
 from .kernels import get_ops, resolve_backend
 from .kernels.grouped_gemm import grouped_gemm, quack_supported, swiglu_grouped_gemm
-from .param_checks import check_replacement, note_assignment
+from .param_checks import CheckedModule
 
 # When Experts uses the CuTeDSL expert GEMV instead of the grouped GEMM on CUDA: each row re-reads
 # its expert's weights, so it wins while rows are few and mostly on distinct experts. Measured by
@@ -85,7 +85,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, u
     return out
 
 
-class Experts(nn.Module):
+class Experts(CheckedModule):
     """SwiGLU experts of one rank: y = down(silu(gate(x)) * up(x)) per expert.
 
     Parameters use HF transformers' fused layout so swapped models share storage:
@@ -121,11 +121,6 @@ class Experts(nn.Module):
         self.intermediate_size = I
         self.use_grouped_mm = use_grouped_mm
         self.backend = backend
-
-    def __setattr__(self, name, value):
-        check_replacement(self, name, value)  # the weights keep their shape and dtype
-        note_assignment(name, value)
-        super().__setattr__(name, value)
 
     def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether forward takes torch._grouped_mm (else the per-expert loop): never for weights
@@ -224,7 +219,7 @@ class Experts(nn.Module):
             self._grouped(device, dtype) and grouped_mm_host_sync_free(device, dtype))
 
 
-class SharedExpert(nn.Module):
+class SharedExpert(CheckedModule):
     """The always-on shared expert MLP (Qwen2-MoE, DeepSeek-V3), optionally sigmoid-gated.
 
     y = down(silu(gate_proj(x)) * up_proj(x)) [* sigmoid(x @ gate.T) when gated (Qwen2-MoE)].
@@ -240,11 +235,6 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
         self.gate = nn.Linear(hidden_size, 1, **kw) if gated else None
-
-    def __setattr__(self, name, value):
-        check_replacement(self, name, value)  # a replaced projection keeps its weight's shape
-        note_assignment(name, value)
-        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -231,9 +231,10 @@ class MoELayer(nn.Module):
         compiling = torch.compiler.is_compiling()
         seen, tree = self.__dict__.get("_tree_cache", (-1, None))
         if compiling or seen != structure_version[0]:
-            subs = tuple(m for m in self.modules() if m is not self)
+            named = tuple(self.named_modules())
+            subs = tuple(m for _, m in named if m is not self)
             slots = []
-            for prefix, m in self.named_modules():
+            for prefix, m in named:
                 for n in m._parameters:
                     name = f"{prefix}.{n}" if prefix else n
                     if not (name == "router.weight" and self.config.router_logits_fp32):

@@ -21,6 +21,17 @@ def note_assignment(name: str, value) -> None:
         structure_version[0] += 1
 
 
+class CheckedModule(nn.Module):
+    """An nn.Module whose tensors and submodules, once set, keep their shape and dtype when
+    assigned again (`check_replacement`), and whose assignments bump structure_version
+    (Router, Experts, SharedExpert)."""
+
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)
+        note_assignment(name, value)
+        super().__setattr__(name, value)
+
+
 def unwrapped(module):
     """The module inside transparent wrappers that forward attribute access to it:
     torch.compile's OptimizedModule (`_orig_mod`), activation checkpointing's CheckpointWrapper

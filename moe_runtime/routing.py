@@ -11,7 +11,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .kernels import get_ops, resolve_backend
-from .param_checks import check_replacement, note_assignment
+from .param_checks import CheckedModule
 
 
 # When Router.logits uses the CuTeDSL GEMV (cute_ops.linear_gemv) instead of F.linear: at most
@@ -24,7 +24,7 @@ ROUTER_GEMV_MAX_TOKENS = 32
 ROUTER_GEMV_MAX_WEIGHTS = 1 << 18
 
 
-class Router(nn.Module):
+class Router(CheckedModule):
     """Router linear (`weight` [E, H]) and top-k selection.
 
     Args:
@@ -48,11 +48,6 @@ class Router(nn.Module):
                                  torch.zeros(config.num_experts, dtype=torch.float32, device=device))
         else:
             self.e_score_correction_bias = None
-
-    def __setattr__(self, name, value):
-        check_replacement(self, name, value)  # weight keeps [E, H], the bias [E]
-        note_assignment(name, value)
-        super().__setattr__(name, value)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype (fp32

@@ -202,8 +202,7 @@ class GroupTopology(Topology):
         try:
             self._release_peers(result)
         except BaseException as e:  # (the peers still wait: this rank must not go on)
-            self._out_of_step = (f"{type(e).__name__} while releasing the peers from dispatch "
-                                 f"#{self.calls}: {e}")
+            self._mark_out_of_step(e)
 
     def _release_peers(self, result: DispatchResult) -> None:
         """The reference protocol's part of a combine that has no result (tp, dp)."""
@@ -357,17 +356,18 @@ class DataParallelTopology(GroupTopology):
         all_to_all_single(recv, send, group=self.group,
                           step=self._step("dispatch counts"), timeout_s=self.timeout_s)
         recv = recv.view(W, E_local + 3)
-        peers_meta = recv[:, E_local:]
-        if bool((peers_meta[:, 2] != self.calls).any()):
+        peers_meta = recv[:, E_local:].tolist()  # (one host read for both checks)
+        if any(c != self.calls for _, _, c in peers_meta):
             raise ValueError(
                 f"{self.name} rank {self.rank}: the ranks are out of step: this rank is at "
-                f"dispatch #{self.calls}, the ranks at {peers_meta[:, 2].tolist()}; every rank "
+                f"dispatch #{self.calls}, the ranks at {[c for *_, c in peers_meta]}; every rank "
                 "must make the same calls in the same order")
-        if bool((peers_meta[:, :2] != meta[:2]).any()):
+        mine = [x.shape[1], _DTYPE_CODES[x.dtype]]
+        if any([h, d] != mine for h, d, _ in peers_meta):
             raise ValueError(
                 f"{self.name} rank {self.rank}: every rank must dispatch rows of the same hidden "
                 f"size and dtype; this rank has (H={x.shape[1]}, {x.dtype}), ranks sent "
-                f"{[(int(h), _DTYPES[int(d)]) for h, d, _ in peers_meta.tolist()]}")
+                f"{[(h, _DTYPES[d]) for h, d, _ in peers_meta]}")
         send_splits = send_counts.view(W, E_local).sum(1).tolist()
         recv_counts = recv[:, :E_local]
         recv_splits = recv_counts.sum(1).tolist()
