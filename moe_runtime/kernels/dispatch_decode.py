@@ -44,6 +44,13 @@ of a warp's copy units (instead of 1) before step 1, so that the copies of wide 
 gained nothing where warps copy several units (DeepSeek-V3 T = 128 / 256: 5.64-5.67 / 9.58-9.61
 us with 1, 5.64 / 9.74-9.77 with 2, 5.76-5.78 / 9.56-9.61 with 4: the stores, at ~4 us of bytes,
 are what is left) and cost 0.05-0.4 us elsewhere (three interleaved rounds, graph replay).
+A kernel for T * K <= 32 in which every warp derives the whole layout alone, one item per lane
+(ballot ranks, the warp's counts in shared memory, one warp scan; no block barrier, no block
+scan), gained at most 0.1 us and lost up to 0.09 (H200, graph replay, best of three
+interleaved rounds, T * K <= 32: Qwen3-30B-A3B T = 1 / 2 / 4 1.50 / 1.56 / 1.59 against 1.44 / 1.49 / 1.50
+us, DeepSeek-V3 1.43 / 1.48 / 1.49 against 1.49 / 1.48 / 1.53, Mixtral T = 1 / 2 / 16 1.30 /
+1.27 / 1.41 against 1.32 / 1.37 / 1.50): at these sizes the launch and the dependent loads
+of ids, x and the stores are the time, not the ranking; not adopted.
 Launched as a programmatic dependent launch (PDL): after the router kernel (route_topk.py lets
 its dependents start at once) its blocks are resident early and wait for the previous launch
 (griddepcontrol.wait) before any global access: x may be the output of any earlier kernel,
