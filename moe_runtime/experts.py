@@ -122,6 +122,13 @@ class Experts(CheckedModule):
         self.use_grouped_mm = use_grouped_mm
         self.backend = backend
 
+    def reset_parameters(self) -> None:
+        """Draw the weights afresh, as the constructor does: N(0, 1/H) for gate_up_proj, N(0, 1/I)
+        for down_proj (e.g. after `to_empty` on a layer built on the meta device)."""
+        with torch.no_grad():
+            self.gate_up_proj.normal_(std=self.gate_up_proj.shape[-1] ** -0.5)
+            self.down_proj.normal_(std=self.intermediate_size ** -0.5)
+
     def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether forward takes torch._grouped_mm (else the per-expert loop): never for weights
         whose layout it rejects (`_weights_fit_grouped_mm`)."""
@@ -167,11 +174,12 @@ class Experts(CheckedModule):
 
         rows: the rows of x expected to be used (default all, x.shape[0]); the GEMV_MAX_ROWS
         rule applies to them (it is about speed only, see GEMV_MAX_ROWS)."""
+        if not (x.dtype in (torch.bfloat16, torch.float16) and self._cute(x.device)):
+            return False  # (before any test of the row count: no size guard under torch.compile)
         rows = x.shape[0] if rows is None else rows
         return (rows <= GEMV_MAX_ROWS and 2 * rows <= 3 * self.gate_up_proj.shape[0]
-                and x.dtype in (torch.bfloat16, torch.float16) and self.use_grouped_mm is not False
-                and self._rows_16b_aligned(x.dtype) and self._weights_contiguous_aligned()
-                and self._cute(x.device))
+                and self.use_grouped_mm is not False and self._rows_16b_aligned(x.dtype)
+                and self._weights_contiguous_aligned())
 
     def _quack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused

@@ -60,8 +60,9 @@ Differences from the HF module, by design:
     * Exactly tied router scores pick the smaller expert id (the CuTeDSL router's rule, kept by
       the reference); torch.topk in HF may pick either, so a bf16 model can route a rare tied
       token differently.
-    * The swapped model keeps its dtype: cast it (`.to(torch.bfloat16)`) BEFORE the swap; a cast
-      after it leaves each MoELayer's config.dtype behind and its forward raises TypeError.
+    * A cast of the swapped model (`.to(torch.bfloat16)`) converts each MoELayer like any module
+      (its config.dtype follows its weights); DeepSeek-V3's e_score_correction_bias stays fp32
+      (HF keeps it so when it loads a checkpoint; a plain `.to()` of the HF model would round it).
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ from torch import nn
 from .config import MoEConfig
 from .experts import SharedExpert
 from .layer import MoELayer
+from .param_checks import unwrapped
 
 _MODELS = "transformers.models"
 _LAYER_KWARGS = ("backend", "group", "align")
@@ -284,7 +286,8 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     layer.register_load_state_dict_pre_hook(_RenameKeys({hf: ours for ours, hf in names.items()}))
     layer.module_aliases = _module_aliases(names)
     if _output_collector() is not None:
-        layer.register_forward_pre_hook(_record_router_logits, with_kwargs=True)
+        layer.register_forward_pre_hook(_keep_router_logits, with_kwargs=True)
+        layer.register_forward_hook(_record_router_logits, with_kwargs=True)
     return layer
 
 
@@ -363,11 +366,37 @@ def _output_collector():
     return _active_collector
 
 
-def _record_router_logits(layer: MoELayer, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the layer: append its router logits [T, E] where the model records
-    "router_logits". On the layer, not its router, so that it runs on every call with the real
-    rows even when the layer replays a CUDA graph (hooks on a submodule disable the replays)."""
+def _collected() -> dict | None:
+    """transformers' outputs being recorded now, when they include "router_logits"."""
     collected = _output_collector().get()
-    if collected is not None and "router_logits" in collected:
+    return collected if collected is not None and "router_logits" in collected else None
+
+
+def _keep_router_logits(layer: MoELayer, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the layer: while the model records "router_logits", the router keeps
+    the logits it computes in this call (Router.kept_logits), unless the call runs the layer's
+    CUDA graphs (a capture computes the padded static rows; a replay runs no Python)."""
+    if _collected() is not None:
         x = args[0] if args else kwargs["hidden_states"]
-        collected["router_logits"].append(layer.router.logits(x.reshape(-1, x.shape[-1])))
+        if not layer._use_graphs(x.reshape(-1, x.shape[-1])):
+            unwrapped(layer.router).kept_logits = []
+
+
+def _record_router_logits(layer: MoELayer, args: tuple, kwargs: dict, output) -> None:
+    """Forward hook of the layer: append its router logits [T, E] where the model records
+    "router_logits": those its router computed in this call (no second router GEMM, and
+    autograd saves the same tensors whether or not they are recorded, as activation
+    checkpointing's recomputation requires), or, when the layer replayed a CUDA graph (no
+    Python ran inside it), recomputed from the real rows (no autograd then: graphs replay only
+    without it). Both hooks sit on the layer, not its router: hooks on a submodule disable the
+    replays."""
+    router = unwrapped(layer.router)
+    kept, router.kept_logits = router.kept_logits, None
+    collected = _collected()
+    if collected is not None:
+        if kept:
+            logits = kept[-1]
+        else:
+            x = args[0] if args else kwargs["hidden_states"]
+            logits = router.logits(x.reshape(-1, x.shape[-1]))
+        collected["router_logits"].append(logits)

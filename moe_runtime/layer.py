@@ -1,12 +1,13 @@
 """MoELayer = router -> topology.dispatch -> experts (grouped GEMM) -> topology.combine (+ shared)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from .config import MoEConfig
+from .config import _DTYPES, MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
 from .kernels import _log_once, check_backend_name, differentiable_kernels, resolve_backend
@@ -29,7 +30,8 @@ class MoELayer(nn.Module):
         device: where parameters live.
 
     Shapes:
-        forward(hidden_states [..., H] in config.dtype) -> [..., H] in config.dtype.
+        forward(hidden_states [..., H] in config.dtype) -> [..., H] in config.dtype (the
+        weights' dtype: a cast of the layer changes config.dtype; see forward).
         Under `tp` every rank passes the same tokens and gets the full output; under `dp_*`
         each rank passes its own tokens (any count, 0 included).
 
@@ -108,14 +110,16 @@ class MoELayer(nn.Module):
         Raises:
             ValueError: shapes that fit neither form, or weights on another device than the
                 layer's parameters.
-            TypeError: weights that are not tensors or not in config.dtype.
+            TypeError: weights that are not tensors or not in config.dtype (the dtype of the
+                layer's weights: a cast of the layer changes it).
         """
         device = self.router.weight.device
         for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
             if not isinstance(w, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
             if w.dtype != self.config.dtype:
-                raise TypeError(f"{name} must be {self.config.dtype} (config.dtype), got {w.dtype}")
+                raise TypeError(f"{name} must be {self.config.dtype} (config.dtype, the layer's "
+                                f"weights' dtype), got {w.dtype}")
             if w.device != device and device.type != "meta":  # (meta: a layer being assembled)
                 raise ValueError(f"{name} is on {w.device} but the layer's other parameters are "
                                  f"on {device}: move the weights (or the layer) first")
@@ -199,17 +203,27 @@ class MoELayer(nn.Module):
             graphs.invalidate()
 
     def _apply(self, fn, *args, **kwargs):
+        """A conversion of the layer (.to(), .cuda(), .half(), ...): when its weights then share
+        a dtype the layer computes in, config.dtype becomes it (the router's config too when
+        it is the same object); captured graphs are dropped."""
         out = super()._apply(fn, *args, **kwargs)
         structure_version[0] += 1  # (parameters may be new objects: the overwrite flag)
+        dtype = self._common_dtype()
+        if dtype in _DTYPES.values() and dtype != self.config.dtype:
+            old, self.config = self.config, dataclasses.replace(self.config, dtype=dtype)
+            if getattr(self.router, "config", None) is old:
+                self.router.config = self.config
         if self.cuda_graphs is not None:  # .to() / .cuda(): new storage, maybe a new device
             self.cuda_graphs.invalidate()
             self.cuda_graphs.device = self.router.weight.device
+            self.cuda_graphs.dtype = self.config.dtype
         return out
 
     def _use_graphs(self, x: torch.Tensor) -> bool:
         g = self.cuda_graphs
         return (g is not None and not torch.is_grad_enabled() and x.device == g.device
-                and g.bucket_for(x.shape[0]) is not None and not self._inner_hooks()
+                and x.dtype == g.dtype and g.bucket_for(x.shape[0]) is not None
+                and not self._inner_hooks()
                 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def _inner_hooks(self) -> bool:
@@ -221,24 +235,31 @@ class MoELayer(nn.Module):
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._tree()[0])
 
-    def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, nn.Module, str], ...]]:
-        """(submodules, (name, owner module, parameter name) of the weights that must be in
-        config.dtype; read live from owner._parameters, so no tensor is held here). The walk
-        costs ~10 us, a call ~1 us: cached until a tensor or submodule of this package's
-        modules is assigned or the layer converted (param_checks.structure_version); under
-        torch.compile walked afresh (traced once, guarded by dynamo). A DeepSeek-V3 router may
-        keep its weight in fp32 (HF's _keep_in_fp32_modules_strict; config.router_logits_fp32)."""
+    def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, nn.Module, str, tuple, bool], ...]]:
+        """(submodules, (name, owner module, parameter name, shape, dtype free) of the weights
+        that `_weights_dtype` checks; read live from owner._parameters, so no tensor is held
+        here). The shape is the config's for the router and the routed experts, the one at the
+        walk for the others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
+        submodule of this package's modules is assigned or the layer converted
+        (param_checks.structure_version); under torch.compile walked afresh (traced once,
+        guarded by dynamo). A DeepSeek-V3 router may keep its weight in fp32 whatever the
+        others' dtype (HF's _keep_in_fp32_modules_strict; config.router_logits_fp32)."""
         compiling = torch.compiler.is_compiling()
         seen, tree = self.__dict__.get("_tree_cache", (-1, None))
         if compiling or seen != structure_version[0]:
+            c, e = self.config, self.topology.num_local_experts
+            sized = {"router.weight": (c.num_experts, c.hidden_size),
+                     "experts.gate_up_proj": (e, 2 * c.moe_intermediate_size, c.hidden_size),
+                     "experts.down_proj": (e, c.hidden_size, c.moe_intermediate_size)}
             named = tuple(self.named_modules())
             subs = tuple(m for _, m in named if m is not self)
             slots = []
             for prefix, m in named:
-                for n in m._parameters:
+                for n, w in m._parameters.items():
                     name = f"{prefix}.{n}" if prefix else n
-                    if not (name == "router.weight" and self.config.router_logits_fp32):
-                        slots.append((name, m, n))
+                    if w is not None:
+                        slots.append((name, m, n, sized.get(name, tuple(w.shape)),
+                                      name == "router.weight" and c.router_logits_fp32))
             tree = (subs, tuple(slots))
             if not compiling:
                 self.__dict__["_tree_cache"] = (structure_version[0], tree)
@@ -273,16 +294,20 @@ class MoELayer(nn.Module):
         """y = the MoE layer (+ shared expert) applied to every token.
 
         Args:
-            hidden_states: [..., H] in config.dtype on the layer's device (any leading shape,
-                e.g. [T, H] or [B, S, H]; zero tokens allowed).
+            hidden_states: [..., H] on the layer's device (any leading shape, e.g. [T, H] or
+                [B, S, H]; zero tokens allowed) in the dtype of the layer's weights: config.dtype,
+                which a cast of the layer (`.to(torch.bfloat16)`, `.half()`) changes, or what
+                FSDP2's mixed precision gives them. Under torch.autocast a floating input of
+                another dtype is cast to it (the ops inside then autocast as usual).
 
         Returns:
             [..., H] like hidden_states.
 
         Raises:
-            TypeError: not a tensor, or a dtype other than config.dtype (or parameters cast
-                away from it).
-            ValueError: last dimension not H, another device than the weights, or
+            TypeError: not a tensor, another dtype than the weights' (outside autocast),
+                weights of different dtypes (e.g. `.half()` on a submodule only), or float64.
+            ValueError: last dimension not H, another device than the weights, a weight
+                replaced by one of another shape without an assignment (`.data = `), or
                 backend="cute" where it cannot run (autograd recording, not CUDA, CuTeDSL
                 not importable).
             RuntimeError: a CUDA-graph capture of a forward that autograd records; and in
@@ -297,14 +322,13 @@ class MoELayer(nn.Module):
         if hidden_states.device != self.experts.gate_up_proj.device:
             raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights are on "
                              f"{self.experts.gate_up_proj.device}")
-        cast = self._cast_parameter()
-        if cast is not None:
-            raise TypeError(f"the layer's parameter {cast[0]} is {cast[1]} but its config.dtype is "
-                            f"{c.dtype}: build it with MoEConfig(dtype=...) instead of casting it "
-                            f"with .to(dtype); for a swapped HF model, cast the model BEFORE "
-                            f"swap_moe_layers")
-        if hidden_states.dtype != c.dtype:
-            raise TypeError(f"hidden_states must be {c.dtype} (the layer's dtype), got {hidden_states.dtype}")
+        dtype = self._weights_dtype()
+        if hidden_states.dtype != dtype:
+            if hidden_states.is_floating_point() and torch.is_autocast_enabled(hidden_states.device.type):
+                hidden_states = hidden_states.to(dtype)  # (the ops inside autocast as usual)
+            else:
+                raise TypeError(f"hidden_states must be {dtype} (the dtype of the layer's "
+                                f"weights), got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, c.hidden_size)
         if not torch.compiler.is_compiling() and self._records_autograd(x):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -327,15 +351,45 @@ class MoELayer(nn.Module):
             y = _NoBackward.apply(y, self.topology.name, x, *self.parameters())
         return y.view(hidden_states.shape)
 
-    def _cast_parameter(self) -> Optional[tuple[str, torch.dtype]]:
-        """(name, dtype) of the first weight not in config.dtype (e.g. after `.half()` on the
-        layer or a submodule), else None."""
-        dtype = self.config.dtype
-        for name, owner, n in self._tree()[1]:
+    def _weights_dtype(self) -> torch.dtype:
+        """The dtype forward computes in: the one the layer's weights share (config.dtype, or
+        what a cast of the layer or FSDP2's mixed precision made them).
+
+        Raises:
+            ValueError: a weight whose shape is not the one the layer was built for (replaced
+                without an assignment: `.data = `, register_parameter).
+            TypeError: weights of different dtypes (e.g. `.half()` on a submodule only), or a
+                dtype the layer does not compute in (float64).
+        """
+        dtype = first = None
+        for name, owner, n, shape, free in self._tree()[1]:
             w = owner._parameters.get(n)
-            if w is not None and w.dtype != dtype:
-                return name, w.dtype
-        return None
+            if w is None:
+                continue
+            if w.shape != shape:
+                raise ValueError(f"the layer's weight {name} is {tuple(w.shape)} but the layer "
+                                 f"was built for {shape} (its config sizes every kernel): a "
+                                 f"replacement must keep the shape")
+            if free:
+                continue
+            if dtype is None:
+                dtype, first = w.dtype, name
+            elif w.dtype != dtype:
+                raise TypeError(f"the layer's weights must share one dtype: {first} is {dtype} "
+                                f"but {name} is {w.dtype}; cast the whole layer (e.g. "
+                                f"layer.to(torch.bfloat16))")
+        dtype = self.config.dtype if dtype is None else dtype
+        if dtype not in _DTYPES.values():
+            raise TypeError(f"the layer's weights are {dtype}; MoELayer computes in "
+                            f"{', '.join(_DTYPES)}: cast it to one of them")
+        return dtype
+
+    def _common_dtype(self) -> Optional[torch.dtype]:
+        """`_weights_dtype`, or None where it raises."""
+        try:
+            return self._weights_dtype()
+        except (TypeError, ValueError):
+            return None
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
         """Gradients enabled and the input or a parameter requires grad."""

@@ -1,8 +1,9 @@
 """Checks on tensors and submodules assigned to a MoE layer's modules after construction.
 
-The layer's forward and its kernels size every launch from MoEConfig (E, H, I, dtype); a
-parameter replaced by one of another shape or dtype would otherwise route to experts that do
-not exist, or drop tokens, without an error.
+The layer's forward and its kernels size every launch from MoEConfig (E, H, I); a parameter
+replaced by one of another shape would otherwise route to experts that do not exist, or drop
+tokens, without an error. (Replacements that bypass assignment, `.data = ` or
+register_parameter, are caught by the layer's forward: MoELayer._weights_dtype.)
 """
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ def unwrapped(module):
 
 def check_replacement(module: nn.Module, name: str, value) -> None:
     """Raise before `module.name = value` replaces a tensor, or a submodule's `weight`, with
-    one of another shape or dtype (the dtype is free while the current tensor is on the meta
-    device: a layer being assembled, e.g. by swap_moe_layers, which keeps HF's fp32 router).
+    one of another shape, or a buffer with one of another dtype (e.g. the fp32 correction
+    bias). A weight may change dtype (FSDP2's mixed precision sets bf16 copies of fp32
+    parameters; MoELayer's forward requires its weights to agree on one).
 
     Raises:
         ValueError: another shape.
-        TypeError: another dtype, or a tensor / submodule where a submodule / tensor was.
+        TypeError: a buffer of another dtype, or a tensor / submodule where a submodule /
+            tensor was.
     """
     old = module._parameters.get(name, module._buffers.get(name))
     if old is None and name in module._modules:
@@ -70,7 +73,7 @@ def check_replacement(module: nn.Module, name: str, value) -> None:
     if value.shape != old.shape:
         raise ValueError(f"{type(module).__name__}.{name} must keep its shape {tuple(old.shape)} "
                          f"(the layer's config sizes every kernel), got {tuple(value.shape)}")
-    if value.dtype != old.dtype and not old.is_meta:
+    if value.dtype != old.dtype and name in module._buffers and not old.is_meta:
         raise TypeError(f"{type(module).__name__}.{name} must keep its dtype {old.dtype}, got "
                         f"{value.dtype}")
 

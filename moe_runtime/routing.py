@@ -34,6 +34,9 @@ class Router(CheckedModule):
     Buffers/parameters:
         weight: [E, H] in config.dtype, as HF `gate.weight`.
         e_score_correction_bias: fp32 [E] when config.use_correction_bias (DeepSeek-V3).
+
+    kept_logits: None, or a list to which forward appends the logits [T, E] it computes
+    (swap_moe_layers sets it while transformers records router logits).
     """
 
     def __init__(self, config: MoEConfig, *, backend: str = "auto", device=None):
@@ -42,12 +45,32 @@ class Router(CheckedModule):
         self.backend = backend
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
                                                dtype=config.dtype, device=device))
-        nn.init.normal_(self.weight, std=config.hidden_size ** -0.5)
         if config.use_correction_bias:
             self.register_buffer("e_score_correction_bias",
-                                 torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+                                 torch.empty(config.num_experts, dtype=torch.float32, device=device))
         else:
             self.e_score_correction_bias = None
+        self.kept_logits: list | None = None  # (a list: forward appends its logits there)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight ~ N(0, 1/H), e_score_correction_bias = 0, as the constructor draws them (e.g.
+        after `to_empty` on a layer built on the meta device)."""
+        with torch.no_grad():
+            self.weight.normal_(std=self.weight.shape[1] ** -0.5)
+            if self.e_score_correction_bias is not None:
+                self.e_score_correction_bias.zero_()
+
+    def _apply(self, fn, recurse=True):
+        """A conversion of the module (.to(dtype), .half(), .cuda()) converts the weight; the
+        correction bias keeps fp32 (HF keeps it so: it decides the expert choice, and bf16 would
+        round it) and only follows the device, converted from its fp32 values."""
+        bias = self._buffers.get("e_score_correction_bias")
+        out = super()._apply(fn, recurse)
+        new = self._buffers.get("e_score_correction_bias")
+        if bias is not None and new is not None and new.dtype != torch.float32:
+            self._buffers["e_score_correction_bias"] = bias.to(device=new.device, dtype=torch.float32)
+        return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype (fp32
@@ -92,8 +115,11 @@ class Router(CheckedModule):
             raise ValueError(f"router input is on {x.device}, the router weight on {w.device}")
         c = self.config
         ops = get_ops(resolve_backend(self.backend, x.device))
+        logits = self.logits(x)
+        if self.kept_logits is not None:  # (swap_moe_layers' router-logits recording)
+            self.kept_logits.append(logits)
         ids, weights, _ = ops.route(
-            self.logits(x), c.top_k, scoring=c.scoring, norm_topk_prob=c.norm_topk_prob,
+            logits, c.top_k, scoring=c.scoring, norm_topk_prob=c.norm_topk_prob,
             correction_bias=self.e_score_correction_bias, n_group=c.n_group,
             topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
             with_counts=False)

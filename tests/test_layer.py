@@ -266,7 +266,7 @@ def test_experts_strided_weight_views_use_loop(use_grouped_mm):
         torch.testing.assert_close(layer(x), dense(x))
 
 
-def test_layer_rejects_bad_construction_and_dtype_drift():
+def test_layer_rejects_bad_construction_and_inputs_of_another_dtype():
     cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="'bogus'"):
         MoELayer(cfg, backend="bogus")
@@ -281,8 +281,10 @@ def test_layer_rejects_bad_construction_and_dtype_drift():
         layer.load_expert_weights(torch.randn(4, 16, 16), torch.empty(4, 16, 8, device="meta"))
     with pytest.raises(TypeError, match="gate_up_proj must be a torch.Tensor, got ndarray"):
         layer.load_expert_weights(torch.randn(4, 16, 16).numpy(), torch.randn(4, 16, 8))
-    layer.to(torch.bfloat16)
-    with pytest.raises(TypeError, match="config.dtype"):
+    layer.to(torch.bfloat16)  # converts the layer: config.dtype follows its weights
+    assert layer.config.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"hidden_states must be torch.bfloat16 \(the dtype of the "
+                                        r"layer's weights\), got torch.float32"):
         layer(torch.randn(3, 16))
 
 
@@ -317,6 +319,19 @@ def test_torch_compile_fullgraph_bf16_on_cpu(dynamic):
         for T in (10, 7, 0):  # (T = 0: no data-dependent read of the empty counts)
             x = torch.randn(T, 32, dtype=torch.bfloat16)
             torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
+
+
+def test_torch_compile_dynamic_token_counts_compile_once():
+    """With dynamic shapes nothing in forward guards on the token count on CPU (the CUDA GEMV's
+    row rule is tested only for CUDA bf16/fp16 rows): one graph for T = 5..200."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    compiled = torch.compile(_shared_layer(torch.bfloat16), backend=cnt, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for T in (5, 7, 40, 200):
+            compiled(torch.randn(T, 16, dtype=torch.bfloat16))
+    assert cnt.frame_count == 1
 
 
 def test_torch_compile_forced_grouped_mm_fp32_takes_the_loop():
@@ -355,8 +370,9 @@ def test_replaced_weights_and_submodules_must_fit_the_config():
     x = torch.randn(5, 16)
     with pytest.raises(ValueError, match=r"Router.weight must keep its shape \(4, 16\).*\(6, 16\)"):
         layer.router.weight = nn.Parameter(torch.randn(6, 16))
-    with pytest.raises(TypeError, match=r"Experts.down_proj must keep its dtype torch.float32"):
-        layer.experts.down_proj = nn.Parameter(layer.experts.down_proj.half())
+    with pytest.raises(TypeError, match=r"Router.e_score_correction_bias must keep its dtype "
+                                        r"torch.float32"):
+        _bias_layer().router.e_score_correction_bias = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"MoELayer.experts must match the layer's config: weight \(4, 16, 16\)"):
         layer.experts = Experts(2, 16, 8, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"MoELayer.experts must be a Experts .*ModuleDict"):
@@ -446,23 +462,133 @@ def test_dtype_check_holds_no_tensors_and_sees_new_ones(how):
         finally:
             torch.__future__.set_overwrite_module_params_on_conversion(False)
         assert old() is None
+        with torch.no_grad():  # the new fp16 parameters are the ones read (config.dtype follows)
+            assert layer(x.half()).dtype == torch.float16
+        return
     else:
         layer.shared_expert.half()
-    with pytest.raises(TypeError, match=r"is torch.float16 but its config.dtype is torch.float32"):
+    with pytest.raises(TypeError, match=r"must share one dtype: .* is torch.float(16|32) but .* is "
+                                        r"torch.float(16|32)"):
         layer(x)
 
 
-@pytest.mark.parametrize("cast", ["experts.down_proj", "shared_expert", "layer"])
-def test_weights_cast_away_from_the_config_dtype_raise(cast):
+def _bias_layer(dtype=torch.float32) -> MoELayer:
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=dtype,
+                    scoring="sigmoid", use_correction_bias=True, routed_scaling_factor=2.5)
+    return MoELayer(cfg, backend="reference")
+
+
+@pytest.mark.parametrize("cast", ["experts.down_proj", "shared_expert", "router.data", "double"])
+def test_weights_of_mixed_or_unsupported_dtypes_raise(cast):
     layer = _shared_layer()
     if cast == "experts.down_proj":
-        layer.experts.down_proj.data = layer.experts.down_proj.data.half()
+        layer.experts.down_proj = nn.Parameter(layer.experts.down_proj.half())  # (accepted here)
     elif cast == "shared_expert":
         layer.shared_expert.half()
+    elif cast == "router.data":
+        layer.router.weight.data = layer.router.weight.data.bfloat16()
     else:
+        layer.double()
+        with pytest.raises(TypeError, match=r"weights are torch.float64; MoELayer computes in "
+                                            r"float32, bfloat16, float16"):
+            layer(torch.randn(3, 16, dtype=torch.float64))
+        return
+    with pytest.raises(TypeError, match=r"must share one dtype: .* but .*; cast the whole layer"):
+        layer(torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_layer_computes_in_its_new_dtype(dtype):
+    """`.to(dtype)` / `.half()` convert the layer like any module (config.dtype follows); the
+    result equals a layer built in that dtype from the same (cast) weights."""
+    torch.manual_seed(0)
+    layer = _shared_layer()
+    built = _shared_layer(dtype)
+    built.load_state_dict({k: v.to(dtype) for k, v in layer.state_dict().items()})
+    (layer.half() if dtype == torch.float16 else layer.to(dtype))
+    assert layer.config.dtype == dtype and layer.router.config.dtype == dtype
+    x = torch.randn(6, 16, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(layer(x), built(x))
+
+
+def test_a_cast_keeps_the_correction_bias_in_fp32():
+    """DeepSeek-V3's e_score_correction_bias decides the expert choice: `.to(bfloat16)` of a
+    layer already in bf16 must not round it (it stays fp32, from its fp32 values)."""
+    torch.manual_seed(0)
+    layer = _bias_layer(torch.bfloat16)
+    with torch.no_grad():
+        layer.router.e_score_correction_bias.copy_(3.0 + 0.01 * torch.randn(4))
+    bias = layer.router.e_score_correction_bias.clone()
+    x = torch.randn(64, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, _ = layer.router(x)
+        layer.to(torch.bfloat16)
         layer.half()
-    with pytest.raises(TypeError, match=r"parameter .* is torch.float16 but its config.dtype is torch.float32"):
-        layer(torch.randn(3, 16, dtype=torch.float16 if cast == "layer" else torch.float32))
+        assert layer.router.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(layer.router.e_score_correction_bias, bias)
+        layer.to(torch.bfloat16)
+        assert torch.equal(layer.router(x)[0], ids)
+
+
+def test_autocast_accepts_inputs_of_the_autocast_dtype():
+    """Under torch.autocast an fp32 layer after a bf16 op (and a bf16 layer after an fp32 one)
+    takes the input, cast to its weights' dtype; the ops inside autocast as usual."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    layer = _shared_layer()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        ref = layer(lin(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = lin(x)
+            assert h.dtype == torch.bfloat16
+            y = layer(h)
+            y16 = _shared_layer(torch.bfloat16)(torch.randn(5, 16))  # fp32 input, bf16 layer
+    assert y.shape == ref.shape and torch.isfinite(y16).all()
+    assert rel_err(y.float(), ref) <= 3e-2
+    with pytest.raises(TypeError, match="hidden_states must be torch.float32"):
+        layer(h)  # outside autocast the dtype must match
+
+
+def test_meta_init_then_reset_parameters():
+    """The meta-device recipe (FSDP2): build on meta, to_empty, reset_parameters on every
+    module that has one: every weight is drawn afresh (finite, the constructor's scale)."""
+    cfg = MoEConfig(hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=32,
+                    dtype=torch.float32, shared_expert_intermediate_size=8, scoring="sigmoid",
+                    use_correction_bias=True)
+    with torch.device("meta"):
+        layer = MoELayer(cfg, backend="reference")
+    layer.to_empty(device="cpu")
+    with torch.no_grad():
+        layer.router.e_score_correction_bias.fill_(float("nan"))
+    for m in layer.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    assert torch.equal(layer.router.e_score_correction_bias, torch.zeros(4))
+    for w, fan_in in ((layer.router.weight, 64), (layer.experts.gate_up_proj, 64),
+                      (layer.experts.down_proj, 32)):
+        assert torch.isfinite(w).all() and abs(float(w.std()) * fan_in ** 0.5 - 1) < 0.2
+    with torch.no_grad():
+        assert torch.isfinite(layer(torch.randn(3, 64))).all()
+
+
+@pytest.mark.parametrize("how", ["data", "register_parameter", "parameters_dict"])
+def test_weights_replaced_without_assignment_keep_their_shape(how):
+    """A router weight of 8 rows on a 4-expert layer would route to experts that do not exist
+    (dropped without an error): replaced around the setattr check, forward refuses it."""
+    layer = _shared_layer()
+    layer(torch.randn(2, 16))  # (the cached walk exists before the replacement)
+    bad = torch.randn(8, 16)
+    if how == "data":
+        layer.router.weight.data = bad
+    elif how == "register_parameter":
+        layer.router.register_parameter("weight", nn.Parameter(bad))
+    else:
+        layer.router._parameters["weight"] = nn.Parameter(bad)
+    with pytest.raises(ValueError, match=r"weight router.weight is \(8, 16\) but the layer was "
+                                         r"built for \(4, 16\)"):
+        layer(torch.randn(3, 16))
 
 
 def test_expert_gemv_reference_equals_experts_forward():

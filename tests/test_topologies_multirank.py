@@ -695,3 +695,32 @@ def test_timeout_s_validated(monkeypatch):
     assert not torch.distributed.is_initialized()
     assert all_reduce_sum(t, timeout_s=0.001) is t
 
+
+
+def w_fsdp2_mixed_precision(rank, world, seed):
+    """A local fp32 layer under FSDP2 with bf16 parameters (MixedPrecisionPolicy): FSDP sets
+    bf16 copies of the weights for forward and casts the input; the layer computes in bf16."""
+    import copy
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from moe_runtime import MoEConfig, MoELayer
+    torch.manual_seed(seed)  # the same weights on every rank
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
+                    dtype=torch.float32, shared_expert_intermediate_size=8)
+    layer = MoELayer(cfg, backend="reference")
+    ref = copy.deepcopy(layer).to(torch.bfloat16)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(seed + 1 + rank))
+    fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                      reduce_dtype=torch.float32))
+    y = layer(x)
+    y.float().square().sum().backward()
+    grads = [p.grad.full_tensor() for p in layer.parameters()]
+    with torch.no_grad():
+        y_ref = ref(x.bfloat16())
+    return (y.dtype, bool(torch.equal(y, y_ref)), all(bool(torch.isfinite(g).all()) for g in grads),
+            all(g.dtype == torch.float32 and bool(g.abs().sum() > 0) for g in grads))
+
+
+def test_fsdp2_mixed_precision_runs_the_layer_in_bf16(pools):
+    assert pools(2).run(w_fsdp2_mixed_precision, 0) == [(torch.bfloat16, True, True, True)] * 2
