@@ -99,7 +99,9 @@ class Experts(CheckedModule):
             skips the probe (the GEMV and quack paths still come first where they apply).
             Weights in a layout torch._grouped_mm rejects (strided views), and fp16 / fp32
             under torch.compile (its _grouped_mm lowering takes bf16 only), take the loop
-            whatever it says; the GEMV and quack paths need contiguous weights.
+            whatever it says; the GEMV and quack paths need contiguous weights. The loop reads
+            the expert offsets on the host: torch.compile breaks the graph there, so
+            fullgraph=True and torch.export need bf16.
         backend: kernel backend of the decode GEMV and the quack grouped GEMM ("auto": CuTeDSL
             on CUDA when importable; "reference": never, torch._grouped_mm instead).
     """

@@ -202,6 +202,9 @@ def test_dispatch_combine_reference(T, E, k, align, shard, seed):
         assert int(off[e + 1]) - int(off[e]) == (n + align - 1) // align * align
     t_idx = torch.arange(T).unsqueeze(1).expand(T, k)
     assert torch.equal(ex[slot[local].long()], x[t_idx[local]])
+    unused = torch.ones(ex.shape[0], dtype=torch.bool)
+    unused[slot[local].long()] = False
+    assert bool((ex[unused] == 0).all())  # padding rows and rows past the last expert: zero
     y = R.combine(ex, slot, w)
     expected = x * torch.where(local, w, torch.zeros_like(w)).sum(1, keepdim=True)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
@@ -332,6 +335,18 @@ def test_torch_compile_dynamic_token_counts_compile_once():
         for T in (5, 7, 40, 200):
             compiled(torch.randn(T, 16, dtype=torch.bfloat16))
     assert cnt.frame_count == 1
+
+
+def test_torch_export_bf16_with_a_dynamic_token_count():
+    """The reference dispatch sizes everything from shapes (no host read of the routing), so a
+    bf16 layer exports (non-strict) with a dynamic sequence length and matches eager."""
+    from torch.export import Dim
+    layer = _shared_layer(torch.bfloat16).eval()
+    ep = torch.export.export(layer, (torch.randn(2, 5, 16, dtype=torch.bfloat16),),
+                             dynamic_shapes={"hidden_states": {1: Dim("S", max=1024)}})
+    x = torch.randn(2, 9, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x), layer(x))
 
 
 def test_torch_compile_forced_grouped_mm_fp32_takes_the_loop():

@@ -114,25 +114,32 @@ def dispatch(
     T, k = topk_ids.shape
     H = x.shape[1]
     dev = x.device
+    E = num_local_experts
     local = topk_ids.long() - expert_start
-    is_local = (local >= 0) & (local < num_local_experts)
-    flat_e = torch.where(is_local, local, torch.full_like(local, num_local_experts)).flatten()
-    counts = torch.bincount(flat_e, minlength=num_local_experts + 1)[:num_local_experts]
-    padded = (counts + align - 1) // align * align
-    offsets = torch.zeros(num_local_experts + 1, dtype=torch.long, device=dev)
+    is_local = (local >= 0) & (local < E)
+    flat_e = torch.where(is_local, local, torch.full_like(local, E)).flatten()  # E: not local
+    # every size below comes from the shapes only (no host read of the data: torch.export and
+    # torch.compile(fullgraph=True) trace it with a dynamic T)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).index_add_(
+        0, flat_e, torch.ones_like(flat_e))
+    padded = (counts[:E] + align - 1) // align * align
+    offsets = torch.zeros(E + 1, dtype=torch.long, device=dev)
     offsets[1:] = torch.cumsum(padded, 0)
     order = torch.sort(flat_e, stable=True).indices  # (t, j) order within each expert
     sorted_e = flat_e[order]
-    # (no picks: skip the data-dependent read, which torch.compile cannot trace on empty
-    # tensors; T = 0 is specialized there, so the branch is static)
-    n_local = int(counts.sum()) if T * k else 0
-    order, sorted_e = order[:n_local], sorted_e[:n_local]
-    seg_start = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(n_local, device=dev) - seg_start[sorted_e]
-    slot = torch.full((T * k,), -1, dtype=torch.long, device=dev)
-    slot[order] = offsets[sorted_e] + rank_in_expert
-    expert_x = torch.zeros(dispatch_capacity(T, k, num_local_experts, align), H, dtype=x.dtype, device=dev)
-    expert_x[slot[order]] = x[order // k]
+    rank_in_expert = torch.arange(T * k, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    slot = torch.empty(T * k, dtype=torch.long, device=dev)
+    slot[order] = torch.where(sorted_e < E, offsets[sorted_e] + rank_in_expert, -1)
+    # expert_x by a gather of the token rows (each row's source token, -1 for padding / unused)
+    rows = dispatch_capacity(T, k, E, align)
+    src = torch.full((rows + 1,), -1, dtype=torch.long, device=dev)
+    src.scatter_(0, torch.where(slot >= 0, slot, rows), torch.arange(T * k, device=dev) // k)
+    src = src[:rows]
+    if T * k == 0:  # (static: no token row to gather, only padding rows)
+        expert_x = x.new_zeros(rows, H)
+    else:
+        expert_x = torch.where((src >= 0).unsqueeze(1), x[src.clamp(min=0)],
+                               torch.zeros((), dtype=x.dtype, device=dev))
     return expert_x, offsets.to(torch.int32), slot.view(T, k).to(torch.int32)
 
 
