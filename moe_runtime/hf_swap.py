@@ -57,6 +57,10 @@ Differences from the HF module, by design:
       quantization wrappers (PEFT LoRA / ParamWrapper, bitsandbytes, ...) raises ValueError,
       since the swap takes the plain weights and would drop what the wrapper adds: apply PEFT
       after the swap (outside the routed experts) or merge it first (`merge_and_unload`).
+      PEFT applied after the swap matches MoELayer's module names, not HF's: `target_modules`
+      "gate" is then Qwen2-MoE's shared-expert gate (`shared_expert.gate`; HF's "gate" is the
+      router, here `router`), and the adapter's keys use those names, so such an adapter loads
+      into the swapped model, not into the plain HF one (merge it to get an HF checkpoint).
     * Exactly tied router scores pick the smaller expert id (the CuTeDSL router's rule, kept by
       the reference); torch.topk in HF may pick either, so a bf16 model can route a rare tied
       token differently.

@@ -33,7 +33,10 @@ class MoELayer(nn.Module):
         forward(hidden_states [..., H] in config.dtype) -> [..., H] in config.dtype (the
         weights' dtype: a cast of the layer changes config.dtype; see forward).
         Under `tp` every rank passes the same tokens and gets the full output; under `dp_*`
-        each rank passes its own tokens (any count, 0 included).
+        each rank passes its own tokens (any count, 0 included). These multi-rank layers are
+        for inference (their backward raises): each rank's `experts` hold other experts, so do
+        not wrap them in DDP / FSDP, whose first broadcast would overwrite every rank's
+        experts with rank 0's.
 
     Decode on CUDA: on the `local` topology with the `cute` backend on sm_90/sm_100 (bf16; fp16
     too with quack-kernels installed), forward never synchronizes with the host (routing,
