@@ -379,11 +379,14 @@ def _collected() -> dict | None:
 def _keep_router_logits(layer: MoELayer, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of the layer: while the model records "router_logits", the router keeps
     the logits it computes in this call (Router.kept_logits), unless the call runs the layer's
-    CUDA graphs (a capture computes the padded static rows; a replay runs no Python)."""
-    if _collected() is not None:
+    CUDA graphs (a capture computes the padded static rows; a replay runs no Python). Set on
+    every call, so a call that raised before the forward hook took them leaves nothing kept
+    past the next call."""
+    keep = _collected() is not None
+    if keep:
         x = args[0] if args else kwargs["hidden_states"]
-        if not layer._use_graphs(x.reshape(-1, x.shape[-1])):
-            unwrapped(layer.router).kept_logits = []
+        keep = not layer._use_graphs(x.reshape(-1, x.shape[-1]))
+    unwrapped(layer.router).kept_logits = [] if keep else None
 
 
 def _record_router_logits(layer: MoELayer, args: tuple, kwargs: dict, output) -> None:

@@ -446,6 +446,26 @@ def test_router_logits_under_gradient_checkpointing(family):
             assert rel_err(a.grad, b.grad) <= 1e-4
 
 
+def test_router_logits_kept_by_a_call_that_raised_are_dropped_by_the_next(monkeypatch):
+    """A layer that raises after its router ran (here in the experts) leaves its kept logits
+    behind only until its next call: a later call that records nothing keeps nothing, and the
+    next recording call records its own logits."""
+    model = swap_moe_layers(tiny_model("qwen3_moe", True))
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = model(ids, output_router_logits=True).router_logits
+        with monkeypatch.context() as m:
+            m.setattr(type(layer.experts), "forward", lambda *a, **k: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                model(ids, output_router_logits=True)
+        assert len(layer.router.kept_logits) == 1  # (left by the call that raised)
+        model(ids)
+        assert layer.router.kept_logits is None
+        out = model(ids, output_router_logits=True).router_logits
+    assert len(out) == 2 and all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
 def test_router_logits_of_a_replayed_graph_come_from_the_real_rows():
     """A layer that replays a CUDA graph runs no Python inside (its router keeps nothing): the
     recorded logits are then recomputed from the call's real rows (here a CPU stand-in capture
