@@ -140,6 +140,11 @@ class BucketedGraphs:
         self.num_captures = 0  # graphs captured so far, recaptures included
 
     @property
+    def custom_capture(self) -> bool:
+        """Whether a capture_fn stands in for the CUDA-graph capture (e.g. tests on CPU)."""
+        return self._capture_fn is not None
+
+    @property
     def captured(self) -> tuple[int, ...]:
         """Bucket sizes that have a live graph."""
         return tuple(sorted(self._graphs))

@@ -61,6 +61,8 @@ Differences from the HF module, by design:
       "gate" is then Qwen2-MoE's shared-expert gate (`shared_expert.gate`; HF's "gate" is the
       router, here `router`), and the adapter's keys use those names, so such an adapter loads
       into the swapped model, not into the plain HF one (merge it to get an HF checkpoint).
+      Adapters inside a MoE layer (e.g. on the shared expert) must share its dtype: PEFT makes
+      them fp32 by default (`autocast_adapter_dtype=False` keeps a bf16 model's bf16).
     * Exactly tied router scores pick the smaller expert id (the CuTeDSL router's rule, kept by
       the reference); torch.topk in HF may pick either, so a bf16 model can route a rare tied
       token differently.
@@ -290,8 +292,8 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     layer.register_load_state_dict_pre_hook(_RenameKeys({hf: ours for ours, hf in names.items()}))
     layer.module_aliases = _module_aliases(names)
     if _output_collector() is not None:
-        layer.register_forward_pre_hook(_keep_router_logits, with_kwargs=True)
-        layer.register_forward_hook(_record_router_logits, with_kwargs=True)
+        layer.register_forward_pre_hook(_keep_router_logits)
+        layer.register_forward_hook(_append_router_logits, with_kwargs=True, always_call=True)
     return layer
 
 
@@ -376,31 +378,26 @@ def _collected() -> dict | None:
     return collected if collected is not None and "router_logits" in collected else None
 
 
-def _keep_router_logits(layer: MoELayer, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the layer: while the model records "router_logits", the router keeps
-    the logits it computes in this call (Router.kept_logits), unless the call runs the layer's
-    CUDA graphs (a capture computes the padded static rows; a replay runs no Python). Set on
-    every call, so a call that raised before the forward hook took them leaves nothing kept
-    past the next call."""
-    keep = _collected() is not None
-    if keep:
-        x = args[0] if args else kwargs["hidden_states"]
-        keep = not layer._use_graphs(x.reshape(-1, x.shape[-1]))
-    unwrapped(layer.router).kept_logits = [] if keep else None
+def _keep_router_logits(layer: MoELayer, args: tuple) -> None:
+    """Forward pre-hook of the layer: while the model records "router_logits", its router keeps
+    the logits it computes in this call (Router.kept_logits; MoELayer.forward clears it when the
+    call runs CUDA graphs: a capture computes the padded static rows, a replay runs no Python).
+    Set on every call."""
+    unwrapped(layer.router).kept_logits = [] if _collected() is not None else None
 
 
-def _record_router_logits(layer: MoELayer, args: tuple, kwargs: dict, output) -> None:
-    """Forward hook of the layer: append its router logits [T, E] where the model records
-    "router_logits": those its router computed in this call (no second router GEMM, and
-    autograd saves the same tensors whether or not they are recorded, as activation
-    checkpointing's recomputation requires), or, when the layer replayed a CUDA graph (no
-    Python ran inside it), recomputed from the real rows (no autograd then: graphs replay only
-    without it). Both hooks sit on the layer, not its router: hooks on a submodule disable the
-    replays."""
+def _append_router_logits(layer: MoELayer, args: tuple, kwargs: dict, output) -> None:
+    """Forward hook of the layer (also after a forward that raised: it clears what the router
+    kept): append its router logits [T, E] where the model records "router_logits": those its
+    router computed in this call (no second router GEMM, and autograd saves the same tensors
+    whether or not they are recorded, as activation checkpointing's recomputation requires),
+    or, when the layer ran CUDA graphs, recomputed from the call's real rows (no autograd then:
+    graphs run only without it). Both hooks sit on the layer, not its router: hooks on a
+    submodule disable the replays."""
     router = unwrapped(layer.router)
     kept, router.kept_logits = router.kept_logits, None
     collected = _collected()
-    if collected is not None:
+    if collected is not None and output is not None:
         if kept:
             logits = kept[-1]
         else:

@@ -11,7 +11,7 @@ from .config import _DTYPES, MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
 from .kernels import _log_once, check_backend_name, differentiable_kernels, resolve_backend
-from .param_checks import check_layer_submodule, note_assignment, structure_version
+from .param_checks import check_layer_submodule, note_assignment, structure_version, unwrapped
 from .routing import Router
 from .topologies.base import Topology
 
@@ -30,8 +30,9 @@ class MoELayer(nn.Module):
         device: where parameters live.
 
     Shapes:
-        forward(hidden_states [..., H] in config.dtype) -> [..., H] in config.dtype (the
-        weights' dtype: a cast of the layer changes config.dtype; see forward).
+        forward(hidden_states [..., H] in `dtype`) -> [..., H] in `dtype`, the dtype the
+        weights share (config.dtype unless the weights were set otherwise; a cast of the layer
+        updates both; see forward).
         Under `tp` every rank passes the same tokens and gets the full output; under `dp_*`
         each rank passes its own tokens (any count, 0 included). These multi-rank layers are
         for inference (their backward raises): each rank's `experts` hold other experts, so do
@@ -97,6 +98,18 @@ class MoELayer(nn.Module):
         self.cuda_graphs: Optional[BucketedGraphs] = None
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype forward computes in: the one the layer's weights share (config.dtype at
+        construction; a cast of the layer updates both; weights set by assignment, e.g. FSDP2's
+        mixed precision or load_state_dict(assign=True), change only this).
+
+        Raises:
+            TypeError / ValueError: as forward, for weights of mixed or unsupported dtypes or
+                another shape.
+        """
+        return self._weights_dtype()
+
+    @property
     def local_expert_range(self) -> range:
         """Global ids of the experts whose weights this rank holds."""
         t = self.topology
@@ -113,16 +126,16 @@ class MoELayer(nn.Module):
         Raises:
             ValueError: shapes that fit neither form, or weights on another device than the
                 layer's parameters.
-            TypeError: weights that are not tensors or not in config.dtype (the dtype of the
-                layer's weights: a cast of the layer changes it).
+            TypeError: weights that are not tensors or not in the layer's dtype (`dtype`).
         """
         device = self.router.weight.device
+        dtype = self.dtype
         for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
             if not isinstance(w, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
-            if w.dtype != self.config.dtype:
-                raise TypeError(f"{name} must be {self.config.dtype} (config.dtype, the layer's "
-                                f"weights' dtype), got {w.dtype}")
+            if w.dtype != dtype:
+                raise TypeError(f"{name} must be {dtype} (the dtype of the layer's weights), "
+                                f"got {w.dtype}")
             if w.device != device and device.type != "meta":  # (meta: a layer being assembled)
                 raise ValueError(f"{name} is on {w.device} but the layer's other parameters are "
                                  f"on {device}: move the weights (or the layer) first")
@@ -150,7 +163,9 @@ class MoELayer(nn.Module):
         if device.type != "cuda" or self.topology.name != "local":
             return False
         backends = {resolve_backend(b, device) for b in (self.router.backend, self.topology.backend)}
-        return backends == {"cute"} and self.experts.host_sync_free(device, self.config.dtype)
+        dtype = self._common_dtype()
+        return (backends == {"cute"} and dtype is not None
+                and self.experts.host_sync_free(device, dtype))
 
     def enable_cuda_graphs(self, buckets: Sequence[int] = DEFAULT_BUCKETS, *, capture: bool = False,
                            copy_output: bool = True, capture_fn: Optional[CaptureFn] = None) -> BucketedGraphs:
@@ -185,10 +200,10 @@ class MoELayer(nn.Module):
             raise RuntimeError(
                 f"CUDA graphs need a host-sync-free forward on a CUDA device: got device {device}, "
                 f"topology {self.topology.name!r}, backend {self.router.backend!r}, dtype "
-                f"{self.config.dtype} (needs local + cute on sm_90/sm_100, bf16, or fp16 with "
+                f"{self._common_dtype()} (needs local + cute on sm_90/sm_100, bf16, or fp16 with "
                 "quack-kernels)")
         self.cuda_graphs = BucketedGraphs(
-            self._forward_tokens, hidden_size=self.config.hidden_size, dtype=self.config.dtype,
+            self._forward_tokens, hidden_size=self.config.hidden_size, dtype=self.dtype,
             device=device, buckets=buckets, fingerprint=lambda: storage_fingerprint(self),
             copy_output=copy_output, capture_fn=capture_fn)
         if capture:
@@ -216,16 +231,22 @@ class MoELayer(nn.Module):
             old, self.config = self.config, dataclasses.replace(self.config, dtype=dtype)
             if getattr(self.router, "config", None) is old:
                 self.router.config = self.config
-        if self.cuda_graphs is not None:  # .to() / .cuda(): new storage, maybe a new device
-            self.cuda_graphs.invalidate()
-            self.cuda_graphs.device = self.router.weight.device
-            self.cuda_graphs.dtype = self.config.dtype
+        g = self.cuda_graphs
+        if g is not None:  # .to() / .cuda(): new storage, maybe a new device or dtype
+            g.invalidate()
+            g.device, g.dtype = self.router.weight.device, self.config.dtype
+            if not g.custom_capture and not (g.device.type == "cuda" and self.host_sync_free()):
+                self.cuda_graphs = None  # (e.g. cast to fp32: its experts read offsets on the host)
+                _log_once(f"moe_runtime: a MoELayer's CUDA graphs were dropped after a conversion "
+                          f"to {g.device} / {self.config.dtype}, where its forward is not "
+                          f"host-sync-free (enable_cuda_graphs explains what is needed)")
         return out
 
     def _use_graphs(self, x: torch.Tensor) -> bool:
         g = self.cuda_graphs
         return (g is not None and not torch.is_grad_enabled() and x.device == g.device
-                and x.dtype == g.dtype and g.bucket_for(x.shape[0]) is not None
+                and x.dtype == g.dtype and not torch.is_autocast_enabled(x.device.type)
+                and g.bucket_for(x.shape[0]) is not None
                 and not self._inner_hooks()
                 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
@@ -276,7 +297,7 @@ class MoELayer(nn.Module):
             return
         if "config" in self.__dict__:
             check_layer_submodule(self, name, value)
-        note_assignment(name, value)
+        note_assignment(self, name, value)
         super().__setattr__(name, value)
 
     def __getattr__(self, name: str):
@@ -304,7 +325,8 @@ class MoELayer(nn.Module):
                 another dtype is cast to it (the ops inside then autocast as usual).
 
         Returns:
-            [..., H] like hidden_states.
+            [..., H] with hidden_states' shape, in the layer's dtype (`dtype`; under autocast
+            possibly another input dtype; calls under autocast never replay CUDA graphs).
 
         Raises:
             TypeError: not a tensor, another dtype than the weights' (outside autocast),
@@ -347,7 +369,13 @@ class MoELayer(nn.Module):
                           "or torch.no_grad() for the CuTeDSL kernels")
             with differentiable_kernels():
                 return self._forward_tokens(x).view(hidden_states.shape)
-        y = self.cuda_graphs(x) if self._use_graphs(x) else self._forward_tokens(x)
+        if self._use_graphs(x):
+            router = unwrapped(self.router)
+            if router.kept_logits is not None:  # (swap_moe_layers' recording: see Router)
+                router.kept_logits = None
+            y = self.cuda_graphs(x)
+        else:
+            y = self._forward_tokens(x)
         if self.topology.name != "local" and self._wants_grad(x):
             # the collectives between ranks have no backward: gradients through them would be
             # silently wrong, so the output's backward raises instead

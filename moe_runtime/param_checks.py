@@ -16,9 +16,11 @@ structure_version = [0]  # bumped when a tensor or submodule of a MoE layer's mo
 # layer's cached walk of its tree (MoELayer._tree) is redone when it moved
 
 
-def note_assignment(name: str, value) -> None:
-    """Bump structure_version for an assignment of a tensor or a module (or None)."""
-    if value is None or isinstance(value, (torch.Tensor, nn.Module)):
+def note_assignment(module: nn.Module, name: str, value) -> None:
+    """Bump structure_version for an assignment to `module` of a tensor or a module, or of None
+    where a tensor or module was (not for other attributes, e.g. Router.kept_logits)."""
+    if isinstance(value, (torch.Tensor, nn.Module)) or (value is None and (
+            name in module._parameters or name in module._buffers or name in module._modules)):
         structure_version[0] += 1
 
 
@@ -29,7 +31,7 @@ class CheckedModule(nn.Module):
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)
-        note_assignment(name, value)
+        note_assignment(self, name, value)
         super().__setattr__(name, value)
 
 

@@ -39,6 +39,8 @@ class Router(CheckedModule):
     (swap_moe_layers sets it while transformers records router logits).
     """
 
+    kept_logits: list | None = None
+
     def __init__(self, config: MoEConfig, *, backend: str = "auto", device=None):
         super().__init__()
         self.config = config
@@ -50,7 +52,6 @@ class Router(CheckedModule):
                                  torch.empty(config.num_experts, dtype=torch.float32, device=device))
         else:
             self.e_score_correction_bias = None
-        self.kept_logits: list | None = None  # (a list: forward appends its logits there)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -566,6 +566,21 @@ def test_autocast_accepts_inputs_of_the_autocast_dtype():
         layer(h)  # outside autocast the dtype must match
 
 
+def test_weights_set_by_assignment_decide_the_dtype():
+    """load_state_dict(assign=True) with bf16 tensors (no conversion of the layer, so config.dtype
+    stays): `dtype`, forward and load_expert_weights follow the weights."""
+    layer = _shared_layer()
+    layer.load_state_dict({k: v.bfloat16() for k, v in layer.state_dict().items()}, assign=True)
+    assert layer.config.dtype == torch.float32 and layer.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert layer(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    layer.load_expert_weights(layer.experts.gate_up_proj.detach().clone(),
+                              layer.experts.down_proj.detach().clone())
+    with pytest.raises(TypeError, match=r"gate_up_proj must be torch.bfloat16 \(the dtype of the "
+                                        r"layer's weights\), got torch.float32"):
+        layer.load_expert_weights(torch.randn(4, 16, 16), torch.randn(4, 16, 8))
+
+
 def test_meta_init_then_reset_parameters():
     """The meta-device recipe (FSDP2): build on meta, to_empty, reset_parameters on every
     module that has one: every weight is drawn afresh (finite, the constructor's scale)."""

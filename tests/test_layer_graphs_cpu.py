@@ -290,3 +290,18 @@ def test_bucketed_graphs_rejects_bad_input():
         g.capture([3])
     g.capture()
     assert g.captured == DEFAULT_BUCKETS
+
+
+def test_calls_under_autocast_run_eagerly():
+    """A graph captured outside torch.autocast would replay other kernels than eager runs inside
+    it (and vice versa): calls under autocast never use the graphs."""
+    layer = make_layer()
+    log = []
+    layer.enable_cuda_graphs(capture_fn=address_bound_capture(layer, log))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        assert log == [] and y.shape == (3, 32)
+        layer(x)
+    assert log == [4]

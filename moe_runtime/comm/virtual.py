@@ -58,7 +58,7 @@ def kernel_token_slots(bufs: pb.PeerBuffers, handle) -> list[torch.Tensor]:
     the concatenated tokens, or -1 when r does not own that expert. Read back from the
     dispatch's pos/meta tables (host sync); the kernels' analogue of reference's token_slot."""
     s, out = bufs.spec, []
-    W, S, k = s.world_size, s.stage_rows, s.top_k
+    W, k = s.world_size, s.top_k
     starts = [0] + list(torch.tensor(handle.tokens).cumsum(0).tolist())
     for r in range(bufs.n_local):
         slot = torch.full((starts[-1] * k,), -1, dtype=torch.int64)

@@ -254,3 +254,26 @@ def test_recorded_forward_on_cuda(layer):
         with torch.cuda.graph(g, stream=s):
             auto(x)
     torch.cuda.current_stream().wait_stream(s)
+
+
+def test_a_cast_drops_graphs_that_would_not_be_host_sync_free():
+    """Graphs of a bf16 layer: after `.float()` (fp32 experts read their offsets on the host) the
+    graphs are dropped and forward runs eagerly, equal to a layer built in fp32 from the same
+    weights; `.bfloat16()` back, graphs can be enabled again and replay equals eager."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(dtype=torch.bfloat16, **FAMILIES["qwen3_30b_a3b"])
+    layer = MoELayer(cfg, backend="cute", device=DEV).eval()
+    layer.enable_cuda_graphs(buckets=(1, 2, 4), capture=True)
+    x = tokens(layer, 3)
+    with torch.no_grad():
+        layer(x)
+        built = MoELayer(MoEConfig(dtype=torch.float32, **FAMILIES["qwen3_30b_a3b"]),
+                         backend="cute", device=DEV).eval()
+        built.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+        layer.float()
+        assert layer.cuda_graphs is None and layer.config.dtype == torch.float32
+        assert torch.equal(layer(x.float()), built(x.float()))
+        layer.bfloat16()
+        y = eager(layer, x)
+        layer.enable_cuda_graphs(buckets=(1, 2, 4))
+        assert torch.equal(layer(x), y) and layer.cuda_graphs.captured == (4,)
