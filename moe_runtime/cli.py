@@ -162,9 +162,9 @@ def _read_prompts(args) -> list[str]:
     if args.prompt:
         return list(args.prompt)
     with open(args.prompts_file) as f:
-        prompts = [line.rstrip("\n") for line in f if line.strip()]
+        prompts = [line.rstrip("\r\n") for line in f if line.strip()]
     if not prompts:
-        raise ValueError(f"{args.prompts_file}: no prompts")
+        raise UsageError(f"{args.prompts_file}: no prompts (only blank lines)")
     return prompts
 
 

@@ -5,6 +5,7 @@ with every actor gone. One Ray instance serves the whole file; engines are reuse
 topologies through Engine.load()."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -87,7 +88,8 @@ def ids_of(result):
     (1, "local"), (2, "tp"), (2, "dp_nvlink"), (2, "dp_p2p"), (4, "tp"), (4, "dp_nvlink"), (4, "dp_p2p")])
 def test_greedy_ids_equal_hf_generate(engines, reference, world_size, topology):
     eng = engines(world_size, topology)
-    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    # (any iterable of prompts: a generator is read once)
+    res = eng.generate((p for p in PROMPTS), SamplingParams(max_new_tokens=NEW))
     assert ids_of(res) == reference
     assert res.topology == topology and res.world_size == world_size
     assert [c.finish_reason for c in res.completions] == ["length"] * len(PROMPTS)
@@ -319,6 +321,66 @@ def test_unreachable_ray_address_fails_fast(ckpt):
         Engine(ckpt, world_size=1, topology="local", ray_address=f"127.0.0.1:{port}", timeout_s=5)
 
 
+def test_http_addresses_fail_fast_naming_the_gcs(ckpt):
+    """Ray's dashboard / job-API address (what `ray job submit` takes) is not the cluster's GCS:
+    ray.init retried it without end (Ctrl-C and timeout_s ignored); refused at once."""
+    import http.server
+    import threading
+    import ray
+    started = ray.is_initialized()
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=f"'127.0.0.1:{port}' answers HTTP: that is Ray's "
+                                                  f"dashboard .* not the cluster's GCS"):
+            Engine(ckpt, world_size=1, topology="local", ray_address=f"127.0.0.1:{port}")
+        with pytest.raises(ConnectionError, match="is an HTTP address .* host:6379"):
+            Engine(ckpt, world_size=1, topology="local", ray_address=f"http://127.0.0.1:{port}")
+        assert time.monotonic() - t0 < 30 and ray.is_initialized() == started
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_bad_arguments_fail_before_ray_starts(ckpt):
+    import ray
+    started = ray.is_initialized()
+    with pytest.raises(ValueError, match="attention must be 'dp' or 'tp', got 'xx'"):
+        Engine(ckpt, world_size=1, attention="xx")
+    with pytest.raises(ValueError, match="backend 'cute' runs CuTeDSL kernels on GPUs"):
+        Engine(ckpt, world_size=1, topology="local", device="cpu", backend="cute")
+    with pytest.raises(ValueError, match="ray_address must be 'auto' or host:port"):
+        Engine(ckpt, world_size=1, topology="local", ray_address=" ")
+    if not started and torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="2 GPU rank\\(s\\) need as many GPUs"):
+            Engine(ckpt, world_size=2, topology="tp", device="cuda")
+    assert ray.is_initialized() == started
+
+
+def test_a_second_engine_on_anothers_embedded_ray_is_refused():
+    """Ray runs once per process: a second Engine would join the first one's embedded Ray
+    (sized for the first one's ranks, and stopped by its shutdown) and wait timeout_s for room."""
+    import weakref
+    from types import SimpleNamespace
+
+    from moe_runtime.engine import driver
+    first, second = _bare_engine(), _bare_engine()
+    fake_ray = SimpleNamespace(is_initialized=lambda: True, cluster_resources=lambda: {"CPU": 2.0})
+    driver._EMBEDDED_BY[:] = [weakref.ref(first)]
+    try:
+        with pytest.raises(RuntimeError, match="another Engine of this process runs on the Ray it "
+                                               "started embedded"):
+            second._init_ray(fake_ray, None, "cpu", {})
+        first._init_ray(fake_ray, None, "cpu", {})  # (its own Ray: fine)
+        del first
+        second._init_ray(fake_ray, None, "cpu", {})  # (the owner is gone)
+        assert second.device == "cpu"
+    finally:
+        driver._EMBEDDED_BY.clear()
+
+
 def test_indivisible_world_size_and_bad_timeout_fail_before_ray_starts(ckpt):
     import ray
     started = ray.is_initialized()
@@ -446,6 +508,24 @@ def test_ctrl_c_inside_ray_init_is_held_until_it_returns(monkeypatch):
     with pytest.raises(KeyboardInterrupt, match="Ctrl-C during ray.init"):
         eng._start_ray(None, "cpu", {})
     assert started == [True] and eng._started_ray and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_second_ctrl_c_interrupts_a_ray_init_that_does_not_return(monkeypatch):
+    import signal
+
+    def init(**kw):  # (a join that waits without end)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        time.sleep(30)
+        pytest.fail("the second Ctrl-C did not interrupt")
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    before = signal.getsignal(signal.SIGINT)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="a second Ctrl-C during ray.init"):
+        _bare_engine()._start_ray(None, "cpu", {})
+    assert time.monotonic() - t0 < 10 and signal.getsignal(signal.SIGINT) is before
 
 
 def test_load_warnings_of_the_ranks_reach_the_driver(ray_session, ckpt, tmp_path):
@@ -576,6 +656,9 @@ def test_bad_sampling_params_never_reach_the_ranks(ckpt):
         eng.generate_ids([[1, 2]], {"max_new_tokens": 4})
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         eng.generate_ids([[], [1]], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"stop_token_ids \[1000000000000000000000000000000\] are "
+                                         r"outside the vocabulary"):
+        eng.generate_ids([[1]], SamplingParams(max_new_tokens=4, stop_token_ids=[10**30, 1]))
     assert eng.workers == ["a live rank"]
 
 
@@ -623,3 +706,34 @@ def test_checkpoint_without_tokenizer_fails_before_ray_starts(ckpt, tmp_path):
         Engine(no_tok, world_size=1, topology="local")
     assert ray.is_initialized() == started
     assert main(["generate", "--model", no_tok, "--prompt", "hello world"]) != 0
+
+
+def test_unreadable_tokenizer_and_config_are_named(ckpt, tmp_path, capsys):
+    """A tokenizer.json that is not JSON, and a config.json field of the wrong type (a
+    huggingface_hub error class outside the CLI's list): one line naming the checkpoint, exit 1."""
+    from moe_runtime.cli import main
+    bad_tok, bad_cfg = str(tmp_path / "bad_tok"), str(tmp_path / "bad_cfg")
+    for d in (bad_tok, bad_cfg):
+        shutil.copytree(ckpt, d)
+    with open(os.path.join(bad_tok, "tokenizer.json"), "w") as f:
+        f.write("not json")
+    with open(os.path.join(bad_cfg, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(bad_cfg, "config.json"), "w") as f:
+        json.dump({**cfg, "hidden_size": str(cfg["hidden_size"])}, f)
+    for d, what in ((bad_tok, "cannot load its tokenizer"), (bad_cfg, "config.json: ")):
+        assert main(["generate", "--model", d, "--prompt", "hello world"]) == 1
+        err = capsys.readouterr().err
+        assert f"moe-runtime: error: {d}" in err and what in err and "Traceback" not in err
+
+
+def test_prompts_file_of_blank_lines_is_a_usage_error_and_crlf_is_stripped(tmp_path):
+    from types import SimpleNamespace
+
+    from moe_runtime.cli import UsageError, _read_prompts
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b"hello there\r\n\r\nsecond one\r\n")
+    assert _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(f))) == ["hello there", "second one"]
+    f.write_text("\n  \n")
+    with pytest.raises(UsageError, match="no prompts"):
+        _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(f)))

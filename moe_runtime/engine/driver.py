@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -21,6 +22,7 @@ from .sampler import SamplingParams
 from .scheduler import RankOutput, assign_requests
 
 log = logging.getLogger("moe_runtime")
+_EMBEDDED_BY: list = []  # weakref to the Engine whose embedded Ray runs in this process, if any
 
 TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
 
@@ -166,7 +168,13 @@ def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     from ..models.loader import CheckpointError
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except ImportError:
+        raise
+    except Exception as e:  # e.g. a tokenizer.json that is not JSON: name the checkpoint
+        raise CheckpointError(f"{model_dir}: cannot load its tokenizer: {type(e).__name__}: "
+                              f"{e}") from e
     if not tokenizer("a b c")["input_ids"]:
         raise CheckpointError(f"{model_dir}: no tokenizer (it turns text into no tokens): put "
                               "the model's tokenizer files there (tokenizer.json / "
@@ -227,8 +235,16 @@ class Engine:
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if topology not in TOPOLOGY_CHOICES:
             raise ValueError(f"topology must be one of {TOPOLOGY_CHOICES}, got {topology!r}")
+        if attention not in ("dp", "tp"):
+            raise ValueError(f"attention must be 'dp' or 'tp', got {attention!r}")
         if topology != "auto":  # bad combinations fail before Ray starts
             choose_topology(topology, world_size, attention=attention)
+        if device == "cpu" and backend == "cute":
+            raise ValueError("backend 'cute' runs CuTeDSL kernels on GPUs; CPU ranks need backend "
+                             "'reference' or 'auto'")
+        if ray_address is not None and (not isinstance(ray_address, str) or not ray_address.strip()):
+            raise ValueError(f"ray_address must be 'auto' or host:port (the cluster's GCS), got "
+                             f"{ray_address!r}")
         self.model_dir, self.world_size, self.timeout_s = model_dir, world_size, timeout_s
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.workers: list = []
@@ -266,11 +282,18 @@ class Engine:
         saved_term = signal.getsignal(signal.SIGTERM) if main_thread else None
         # Ctrl-C inside ray.init is held until it returns: an interrupt inside Ray's node or
         # core-worker start-up left its agents running (and could crash the process at exit);
-        # once ray.init has returned, the caller's shutdown stops everything it started
+        # once ray.init has returned, the caller's shutdown stops everything it started. A
+        # second Ctrl-C interrupts at once (ray.init may wait without end, e.g. on a GCS that
+        # accepts connections and never answers).
         held: list[int] = []
         saved_int = signal.getsignal(signal.SIGINT) if main_thread else None
+
+        def hold(signum, frame):
+            held.append(signum)
+            if len(held) > 1:
+                raise KeyboardInterrupt("a second Ctrl-C during ray.init")
         if main_thread:
-            signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+            signal.signal(signal.SIGINT, hold)
         try:
             self._init_ray(ray, address, device, extra)
         except SystemExit as e:
@@ -287,6 +310,12 @@ class Engine:
             raise KeyboardInterrupt("Ctrl-C during ray.init")
 
     def _init_ray(self, ray, address: Optional[str], device: str, extra: dict) -> None:
+        owner = _EMBEDDED_BY[0]() if _EMBEDDED_BY else None
+        if ray.is_initialized() and owner is not None and owner is not self:
+            raise RuntimeError(
+                "another Engine of this process runs on the Ray it started embedded (sized for "
+                "its own ranks, and stopped by its shutdown()): shut it down first, or run both "
+                "on a cluster (`ray start --head`, then ray_address='auto')")
         if address is None and not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None  # e.g. set by `ray job submit`
         if address is not None:
@@ -298,20 +327,25 @@ class Engine:
                     raise ConnectionError(
                         f"cannot join the Ray cluster at {address!r} (--ray-address or "
                         f"RAY_ADDRESS; `moe-runtime generate` without either starts Ray "
-                        f"embedded, the job entry joins 'auto'): {e}") from e
+                        f"embedded, the job entry joins 'auto'; a cluster started with token "
+                        f"authentication needs RAY_AUTH_MODE=token here too): {e}") from e
         elif not ray.is_initialized():
             # address "local": a new Ray of our own even when a local cluster runs here (`ray
             # start --head`, or a stale /tmp/ray/ray_current_cluster); without it ray.init joins
             # that cluster and refuses num_cpus/num_gpus. Pass ray_address="auto" to join it.
             kw = dict(address="local", include_dashboard=False,
                       object_store_memory=128 * 1024 ** 2, logging_level=logging.WARNING)
-            if device != "cuda":
-                import torch
-                if device == "cpu" or not torch.cuda.is_available():
-                    kw["num_cpus"] = self.world_size
-                    kw["num_gpus"] = 0
+            import torch
+            if device == "cuda" and torch.cuda.device_count() < self.world_size:
+                raise ValueError(f"device 'cuda': {self.world_size} GPU rank(s) need as many "
+                                 f"GPUs, this machine has {torch.cuda.device_count()} (lower "
+                                 f"--world-size or use --device cpu)")
+            if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+                kw["num_cpus"] = self.world_size
+                kw["num_gpus"] = 0
             kw.update(extra)
             self._started_ray = True  # (before: an interrupted ray.init leaves processes to stop)
+            _EMBEDDED_BY[:] = [weakref.ref(self)]
             ray.init(**kw)
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
@@ -505,11 +539,12 @@ class Engine:
             RankError: a rank failed (all actors are gone afterwards; the engine is unusable).
             TypeError: params not a SamplingParams, or one whose max_new_tokens / seed was set
                 to a non-int after construction (nothing reaches the ranks; the engine lives on).
-            ValueError: an empty prompt, a token id outside the vocabulary, prompt +
-                max_new_tokens over max_position_embeddings, or max_batch_size < 1.
+            ValueError: an empty prompt, a token id (of a prompt or stop_token_ids) outside
+                the vocabulary, prompt + max_new_tokens over max_position_embeddings, or
+                max_batch_size < 1.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]  # one prompt, as vLLM's LLM.generate takes it
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # (str: one prompt,
+        # as vLLM's LLM.generate takes it; an iterator is read once)
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
         return self.generate_ids(ids, params, prompts=prompts, max_batch_size=max_batch_size,
                                  fail_at_step=fail_at_step)
@@ -528,6 +563,10 @@ class Engine:
             raise ValueError(f"max_batch_size must be an int >= 1 or None, got {max_batch_size!r}")
         params.validate()  # a field changed after construction must not reach (and kill) the ranks
         check_prompts(prompt_ids, self.spec, params.max_new_tokens)
+        outside = [t for t in params.stop_token_ids or () if not 0 <= t < self.spec.vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, "
+                             f"{self.spec.vocab_size}): no token could ever stop there")
         stop = params.stop_token_ids
         if stop is None:
             stop = set(self.rank_info[0]["eos_token_ids"])
@@ -595,6 +634,8 @@ class Engine:
             self._kill_workers()
         if self._started_ray:
             ray.shutdown()  # (safe on a Ray that never finished starting)
+            if _EMBEDDED_BY and _EMBEDDED_BY[0]() is self:
+                _EMBEDDED_BY.clear()
         self._started_ray = False
 
     def __enter__(self):
@@ -620,18 +661,36 @@ def _cause(err: Exception) -> BaseException:
     return cause if isinstance(cause, BaseException) else err
 
 
+_GCS_HINT = ("join the cluster at its GCS address instead: 'auto' on a node of the cluster, "
+             "or host:6379 (the port of `ray start --head`)")
+
+
 def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fail fast on a Ray address nobody listens on (ray.init would retry it without end).
+    """Fail fast on a Ray address nobody listens on, or on one that answers HTTP (Ray's
+    dashboard / job API, port 8265 by default, which `ray job submit` uses): ray.init would
+    retry either without end.
 
     Raises:
-        ConnectionError: naming the address, when "host:port" refuses or times out a TCP connect.
+        ConnectionError: naming the address, when "host:port" refuses or times out a TCP
+            connect, answers an HTTP request, or is an http(s):// URL.
     """
     import socket
+    if address.startswith(("http://", "https://")):
+        raise ConnectionError(f"{address!r} is an HTTP address (Ray's dashboard and job API); "
+                              f"{_GCS_HINT}")
     if address == "auto" or address.startswith("ray://") or ":" not in address:
         return
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)):
-            pass
+        with socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)) as s:
+            s.settimeout(min(timeout_s, 2.0))
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            try:
+                http = s.recv(5) == b"HTTP/"
+            except OSError:  # (a GCS does not answer HTTP/1: no reply or a reset)
+                http = False
     except (OSError, ValueError) as e:
         raise ConnectionError(f"cannot reach the Ray cluster at {address!r}: {e}") from e
+    if http:
+        raise ConnectionError(f"{address!r} answers HTTP: that is Ray's dashboard (port 8265 by "
+                              f"default) or another web server, not the cluster's GCS; {_GCS_HINT}")

@@ -64,7 +64,8 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
 
     Raises:
         FileNotFoundError: no config.json in model_dir.
-        ValueError: unsupported model_type or dtype, or a quantized checkpoint (config.json has
+        ValueError: a config.json transformers cannot read (e.g. a field of the wrong type),
+            unsupported model_type or dtype, or a quantized checkpoint (config.json has
             a `quantization_config`: FP8, GPTQ, AWQ, ...; only float32/bfloat16/float16 weights
             are read).
     """
@@ -73,7 +74,12 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
     from . import get_architecture
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF-format checkpoint)")
-    cfg = AutoConfig.from_pretrained(model_dir)
+    try:
+        cfg = AutoConfig.from_pretrained(model_dir)
+    except ImportError:
+        raise
+    except Exception as e:  # e.g. a field of the wrong type (huggingface_hub's strict checks)
+        raise ValueError(f"{model_dir}/config.json: {type(e).__name__}: {e}") from e
     quant = getattr(cfg, "quantization_config", None)
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
