@@ -381,6 +381,30 @@ def test_a_second_engine_on_anothers_embedded_ray_is_refused():
         driver._EMBEDDED_BY.clear()
 
 
+def test_bracketed_ipv6_addresses_are_probed():
+    import socket
+    import threading
+
+    from moe_runtime.engine.driver import _check_reachable
+    try:
+        server = socket.socket(socket.AF_INET6)
+        server.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    server.listen()
+    port = server.getsockname()[1]
+
+    def serve():
+        conn, _ = server.accept()
+        conn.recv(64)
+        conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        _check_reachable(f"[::1]:{port}", 5.0)  # (a listener that does not answer HTTP)
+    finally:
+        server.close()
+
+
 def test_indivisible_world_size_and_bad_timeout_fail_before_ray_starts(ckpt):
     import ray
     started = ray.is_initialized()

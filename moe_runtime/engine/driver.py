@@ -681,6 +681,7 @@ def _check_reachable(address: str, timeout_s: float) -> None:
     if address == "auto" or address.startswith("ray://") or ":" not in address:
         return
     host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:port
     try:
         with socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)) as s:
             s.settimeout(min(timeout_s, 2.0))
