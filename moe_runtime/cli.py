@@ -188,7 +188,8 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
 
     Raises:
         UsageError: a prompt that is empty or too long, a world size that does not divide the
-            experts, or a topology that does not fit the world size.
+            experts, a topology that does not fit the world size, or a --ray-address that is
+            empty or an http(s) URL.
         FileNotFoundError, ValueError (CheckpointError): no config.json, no weights, no
             tokenizer, bad config.
     """
@@ -199,6 +200,11 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     check_weights(model_dir)
     world_size = args.world_size
     try:
+        address = getattr(args, "ray_address", None)
+        if address is not None and (not address.strip() or address.startswith(("http://", "https://"))):
+            raise ValueError(f"--ray-address must be 'auto' or the cluster's GCS host:port "
+                             f"(e.g. host:6379), got {address!r} (an http:// address is the "
+                             f"dashboard / job API that `ray job submit` takes)")
         if args.attention is not None and args.topology != "auto":
             raise ValueError(f"--attention applies to --topology auto only; topology "
                              f"{args.topology!r} fixes how attention is split")

@@ -15,6 +15,16 @@ from .param_checks import check_layer_submodule, note_assignment, structure_vers
 from .routing import Router
 from .topologies.base import Topology
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # (a torch without distributed support)
+    _DTensor = None
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor (an FSDP2 parameter not unsharded yet)."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
 
 class MoELayer(nn.Module):
     """A Mixture-of-Experts block whose token movement goes through a topology.
@@ -347,7 +357,8 @@ class MoELayer(nn.Module):
         if hidden_states.device != self.experts.gate_up_proj.device:
             raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights are on "
                              f"{self.experts.gate_up_proj.device}")
-        dtype = self._weights_dtype()
+        dtype = self._weights_dtype(fallback=hidden_states.dtype
+                                    if hidden_states.dtype in _DTYPES.values() else None)
         if hidden_states.dtype != dtype:
             if hidden_states.is_floating_point() and torch.is_autocast_enabled(hidden_states.device.type):
                 hidden_states = hidden_states.to(dtype)  # (the ops inside autocast as usual)
@@ -382,9 +393,12 @@ class MoELayer(nn.Module):
             y = _NoBackward.apply(y, self.topology.name, x, *self.parameters())
         return y.view(hidden_states.shape)
 
-    def _weights_dtype(self) -> torch.dtype:
+    def _weights_dtype(self, fallback: Optional[torch.dtype] = None) -> torch.dtype:
         """The dtype forward computes in: the one the layer's weights share (config.dtype, or
-        what a cast of the layer or FSDP2's mixed precision made them).
+        what a cast of the layer or FSDP2's mixed precision made them). Weights that are still
+        sharded DTensors (a submodule in its own FSDP2 group: its pre-forward, which runs
+        later, unshards and casts them) are not counted; when no weight is left, `fallback`
+        (forward: the input's dtype), else config.dtype.
 
         Raises:
             ValueError: a weight whose shape is not the one the layer was built for (replaced
@@ -401,7 +415,7 @@ class MoELayer(nn.Module):
                 raise ValueError(f"the layer's weight {name} is {tuple(w.shape)} but the layer "
                                  f"was built for {shape} (its config sizes every kernel): a "
                                  f"replacement must keep the shape")
-            if free:
+            if free or _sharded(w):
                 continue
             if dtype is None:
                 dtype, first = w.dtype, name
@@ -409,7 +423,8 @@ class MoELayer(nn.Module):
                 raise TypeError(f"the layer's weights must share one dtype: {first} is {dtype} "
                                 f"but {name} is {w.dtype}; cast the whole layer (e.g. "
                                 f"layer.to(torch.bfloat16))")
-        dtype = self.config.dtype if dtype is None else dtype
+        if dtype is None:
+            dtype = self.config.dtype if fallback is None else fallback
         if dtype not in _DTYPES.values():
             raise TypeError(f"the layer's weights are {dtype}; MoELayer computes in "
                             f"{', '.join(_DTYPES)}: cast it to one of them")

@@ -48,14 +48,13 @@ def unwrapped(module):
 
 def check_replacement(module: nn.Module, name: str, value) -> None:
     """Raise before `module.name = value` replaces a tensor, or a submodule's `weight`, with
-    one of another shape, or a buffer with one of another dtype (e.g. the fp32 correction
-    bias). A weight may change dtype (FSDP2's mixed precision sets bf16 copies of fp32
-    parameters; MoELayer's forward requires its weights to agree on one).
+    one of another shape. The dtype may change (FSDP2's mixed precision sets bf16 copies of
+    fp32 parameters; MoELayer's forward requires its weights to agree on one, and the Router
+    keeps its correction bias fp32).
 
     Raises:
         ValueError: another shape.
-        TypeError: a buffer of another dtype, or a tensor / submodule where a submodule /
-            tensor was.
+        TypeError: a tensor / submodule where a submodule / tensor was.
     """
     old = module._parameters.get(name, module._buffers.get(name))
     if old is None and name in module._modules:
@@ -75,9 +74,6 @@ def check_replacement(module: nn.Module, name: str, value) -> None:
     if value.shape != old.shape:
         raise ValueError(f"{type(module).__name__}.{name} must keep its shape {tuple(old.shape)} "
                          f"(the layer's config sizes every kernel), got {tuple(value.shape)}")
-    if value.dtype != old.dtype and name in module._buffers and not old.is_meta:
-        raise TypeError(f"{type(module).__name__}.{name} must keep its dtype {old.dtype}, got "
-                        f"{value.dtype}")
 
 
 def check_layer_submodule(layer, name: str, value) -> None:

@@ -361,48 +361,92 @@ def test_bad_arguments_fail_before_ray_starts(ckpt):
 
 def test_a_second_engine_on_anothers_embedded_ray_is_refused():
     """Ray runs once per process: a second Engine would join the first one's embedded Ray
-    (sized for the first one's ranks, and stopped by its shutdown) and wait timeout_s for room."""
+    (sized for the first one's ranks, and stopped by its shutdown) and wait timeout_s for room.
+    A Ray left by an Engine collected without shutdown() is stopped; one that is no longer the
+    embedded one (the user's own) is joined; a stale Engine's shutdown() leaves a later
+    Engine's Ray alone."""
     import weakref
     from types import SimpleNamespace
 
     from moe_runtime.engine import driver
+    stopped = []
+    gcs = ["10.0.0.1:6379"]
+    fake_ray = SimpleNamespace(is_initialized=lambda: True, cluster_resources=lambda: {"CPU": 2.0},
+                               get_runtime_context=lambda: SimpleNamespace(gcs_address=gcs[0]),
+                               shutdown=lambda: stopped.append(True))
     first, second = _bare_engine(), _bare_engine()
-    fake_ray = SimpleNamespace(is_initialized=lambda: True, cluster_resources=lambda: {"CPU": 2.0})
-    driver._EMBEDDED_BY[:] = [weakref.ref(first)]
     try:
+        driver._EMBEDDED.update(owner=weakref.ref(first), gcs="10.0.0.1:6379")
         with pytest.raises(RuntimeError, match="another Engine of this process runs on the Ray it "
                                                "started embedded"):
             second._init_ray(fake_ray, None, "cpu", {})
         first._init_ray(fake_ray, None, "cpu", {})  # (its own Ray: fine)
-        del first
-        second._init_ray(fake_ray, None, "cpu", {})  # (the owner is gone)
-        assert second.device == "cpu"
+        assert driver._EMBEDDED["owner"]() is first
+        del first  # collected without shutdown(): its Ray is stopped, the next Engine goes on
+        second._init_ray(fake_ray, None, "cpu", {})
+        assert stopped == [True] and not driver._EMBEDDED and second.device == "cpu"
+        driver._EMBEDDED.update(owner=weakref.ref(second), gcs="10.0.0.1:6379")
+        gcs[0] = "10.0.0.2:6379"  # the user's own Ray now
+        third = _bare_engine()
+        third._init_ray(fake_ray, None, "cpu", {})
+        assert stopped == [True] and not driver._EMBEDDED
     finally:
-        driver._EMBEDDED_BY.clear()
+        driver._EMBEDDED.clear()
 
 
-def test_bracketed_ipv6_addresses_are_probed():
+def test_a_stale_engines_shutdown_leaves_a_later_engines_ray_alone(monkeypatch):
+    import weakref
+
+    from moe_runtime.engine import driver
+    stopped = []
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    stale, later = _bare_engine(), _bare_engine()
+    stale._started_ray = later._started_ray = True
+    driver._EMBEDDED.update(owner=weakref.ref(later), gcs="10.0.0.1:6379")
+    try:
+        stale.shutdown()
+        assert stopped == [] and driver._EMBEDDED["owner"]() is later
+        later.shutdown()
+        assert stopped == [True] and not driver._EMBEDDED
+    finally:
+        driver._EMBEDDED.clear()
+
+
+def test_a_silent_address_fails_fast():
+    """A listener that never answers (not a GCS: a GCS sends its HTTP/2 SETTINGS frame at once)
+    would keep ray.init retrying inside Ray's C++ code, out of Ctrl-C's reach."""
     import socket
-    import threading
 
     from moe_runtime.engine.driver import _check_reachable
-    try:
-        server = socket.socket(socket.AF_INET6)
-        server.bind(("::1", 0))
-    except OSError:
-        pytest.skip("no IPv6 loopback on this machine")
-    server.listen()
-    port = server.getsockname()[1]
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="accepts connections but does not answer like "
+                                                  "a Ray GCS"):
+            _check_reachable(f"127.0.0.1:{port}", 1.0)
+        assert time.monotonic() - t0 < 5
 
-    def serve():
-        conn, _ = server.accept()
-        conn.recv(64)
-        conn.close()
-    threading.Thread(target=serve, daemon=True).start()
+
+def test_an_ignored_sigint_stays_ignored_during_ray_init(monkeypatch):
+    """A background job (SIGINT ignored, as deploy/README.md runs it) is not made
+    interruptible by the Ctrl-C holding around ray.init."""
+    import signal
+
+    from moe_runtime.engine import driver
+    seen = []
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(signal.getsignal(signal.SIGINT)))
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(seen))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        _check_reachable(f"[::1]:{port}", 5.0)  # (a listener that does not answer HTTP)
+        _bare_engine()._start_ray(None, "cpu", {})
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
-        server.close()
+        signal.signal(signal.SIGINT, before)
+        driver._EMBEDDED.clear()
 
 
 def test_indivisible_world_size_and_bad_timeout_fail_before_ray_starts(ckpt):
@@ -749,6 +793,9 @@ def test_unreadable_tokenizer_and_config_are_named(ckpt, tmp_path, capsys):
         assert main(["generate", "--model", d, "--prompt", "hello world"]) == 1
         err = capsys.readouterr().err
         assert f"moe-runtime: error: {d}" in err and what in err and "Traceback" not in err
+    for bad in ("", "http://127.0.0.1:8265"):  # bad argument values: exit 2, before Ray starts
+        assert main(["generate", "--model", ckpt, "--prompt", "hi", "--ray-address", bad]) == 2
+        assert "--ray-address must be 'auto' or the cluster's GCS host:port" in capsys.readouterr().err
 
 
 def test_prompts_file_of_blank_lines_is_a_usage_error_and_crlf_is_stripped(tmp_path):

@@ -385,9 +385,9 @@ def test_replaced_weights_and_submodules_must_fit_the_config():
     x = torch.randn(5, 16)
     with pytest.raises(ValueError, match=r"Router.weight must keep its shape \(4, 16\).*\(6, 16\)"):
         layer.router.weight = nn.Parameter(torch.randn(6, 16))
-    with pytest.raises(TypeError, match=r"Router.e_score_correction_bias must keep its dtype "
-                                        r"torch.float32"):
-        _bias_layer().router.e_score_correction_bias = torch.zeros(4, dtype=torch.bfloat16)
+    biased = _bias_layer()
+    biased.router.e_score_correction_bias = torch.full((4,), 0.5, dtype=torch.bfloat16)
+    assert biased.router.e_score_correction_bias.dtype == torch.float32  # (kept fp32)
     with pytest.raises(ValueError, match=r"MoELayer.experts must match the layer's config: weight \(4, 16, 16\)"):
         layer.experts = Experts(2, 16, 8, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"MoELayer.experts must be a Experts .*ModuleDict"):
@@ -525,6 +525,26 @@ def test_a_cast_layer_computes_in_its_new_dtype(dtype):
     x = torch.randn(6, 16, dtype=dtype)
     with torch.no_grad():
         assert torch.equal(layer(x), built(x))
+
+
+def test_a_cast_keeps_the_deepseek_router_tensors_in_fp32():
+    """As HF's DeepSeek-V3 (_keep_in_fp32_modules_strict) keeps them when it loads a bf16
+    checkpoint: a cast keeps the fp32 router weight (config.router_logits_fp32) and its
+    gradient, and the correction bias, whose values it does not round; the other weights and
+    gradients follow the cast; a bf16 state dict assigned (assign=True) gives an fp32 bias."""
+    cfg = MoEConfig(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8,
+                    dtype=torch.float32, scoring="sigmoid", use_correction_bias=True,
+                    router_logits_fp32=True)
+    layer = MoELayer(cfg, backend="reference")
+    x = torch.randn(5, 16)
+    layer(x).sum().backward()
+    weight, grad = layer.router.weight.detach().clone(), layer.router.weight.grad.clone()
+    layer.to(torch.bfloat16)
+    assert torch.equal(layer.router.weight, weight) and torch.equal(layer.router.weight.grad, grad)
+    assert layer.experts.gate_up_proj.grad.dtype == torch.bfloat16 and layer.dtype == torch.bfloat16
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    layer.load_state_dict({k: v.bfloat16() for k, v in layer.state_dict().items()}, assign=True)
+    assert layer.router.e_score_correction_bias.dtype == torch.float32
 
 
 def test_a_cast_keeps_the_correction_bias_in_fp32():

@@ -697,9 +697,11 @@ def test_timeout_s_validated(monkeypatch):
 
 
 
-def w_fsdp2_mixed_precision(rank, world, seed):
+def w_fsdp2_mixed_precision(rank, world, seed, nested):
     """A local fp32 layer under FSDP2 with bf16 parameters (MixedPrecisionPolicy): FSDP sets
-    bf16 copies of the weights for forward and casts the input; the layer computes in bf16."""
+    bf16 copies of the weights for forward and casts the input; the layer computes in bf16.
+    nested: the experts in their own FSDP group (their pre-forward unshards and casts them only
+    after the layer's forward began)."""
     import copy
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -711,8 +713,10 @@ def w_fsdp2_mixed_precision(rank, world, seed):
     layer = MoELayer(cfg, backend="reference")
     ref = copy.deepcopy(layer).to(torch.bfloat16)
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(seed + 1 + rank))
-    fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                      reduce_dtype=torch.float32))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if nested:
+        fully_shard(layer.experts, mp_policy=policy)
+    fully_shard(layer, mp_policy=policy)
     y = layer(x)
     y.float().square().sum().backward()
     grads = [p.grad.full_tensor() for p in layer.parameters()]
@@ -722,5 +726,6 @@ def w_fsdp2_mixed_precision(rank, world, seed):
             all(g.dtype == torch.float32 and bool(g.abs().sum() > 0) for g in grads))
 
 
-def test_fsdp2_mixed_precision_runs_the_layer_in_bf16(pools):
-    assert pools(2).run(w_fsdp2_mixed_precision, 0) == [(torch.bfloat16, True, True, True)] * 2
+@pytest.mark.parametrize("nested", [False, True])
+def test_fsdp2_mixed_precision_runs_the_layer_in_bf16(pools, nested):
+    assert pools(2).run(w_fsdp2_mixed_precision, 0, nested) == [(torch.bfloat16, True, True, True)] * 2

@@ -22,7 +22,17 @@ from .sampler import SamplingParams
 from .scheduler import RankOutput, assign_requests
 
 log = logging.getLogger("moe_runtime")
-_EMBEDDED_BY: list = []  # weakref to the Engine whose embedded Ray runs in this process, if any
+# the Ray an Engine of this process started embedded: {"owner": weakref to it, "gcs": that
+# Ray's GCS address}; empty when none runs (Engine._claim_embedded_ray)
+_EMBEDDED: dict = {}
+
+
+def _current_gcs(ray) -> Optional[str]:
+    """The GCS address of the Ray this process is connected to, or None."""
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # (not connected, or a stand-in module)
+        return None
 
 TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
 
@@ -283,16 +293,18 @@ class Engine:
         # Ctrl-C inside ray.init is held until it returns: an interrupt inside Ray's node or
         # core-worker start-up left its agents running (and could crash the process at exit);
         # once ray.init has returned, the caller's shutdown stops everything it started. A
-        # second Ctrl-C interrupts at once (ray.init may wait without end, e.g. on a GCS that
-        # accepts connections and never answers).
+        # second Ctrl-C interrupts at once where ray.init waits in Python (inside Ray's C++
+        # retries no Python handler runs; `_check_reachable` refuses a silent address first).
+        # An ignored SIGINT (a background job) stays ignored.
         held: list[int] = []
         saved_int = signal.getsignal(signal.SIGINT) if main_thread else None
+        hold_int = main_thread and saved_int is not signal.SIG_IGN  # (ignored: a background job)
 
         def hold(signum, frame):
             held.append(signum)
             if len(held) > 1:
                 raise KeyboardInterrupt("a second Ctrl-C during ray.init")
-        if main_thread:
+        if hold_int:
             signal.signal(signal.SIGINT, hold)
         try:
             self._init_ray(ray, address, device, extra)
@@ -303,23 +315,48 @@ class Engine:
         finally:
             if saved_term is not None:
                 signal.signal(signal.SIGTERM, saved_term)
-            if main_thread:  # (None: a handler not set from Python; Python's own then)
+            if hold_int:  # (None: a handler not set from Python; Python's own then)
                 signal.signal(signal.SIGINT, saved_int if saved_int is not None
                               else signal.default_int_handler)
         if held:
             raise KeyboardInterrupt("Ctrl-C during ray.init")
 
-    def _init_ray(self, ray, address: Optional[str], device: str, extra: dict) -> None:
-        owner = _EMBEDDED_BY[0]() if _EMBEDDED_BY else None
-        if ray.is_initialized() and owner is not None and owner is not self:
+    def _claim_embedded_ray(self, ray) -> None:
+        """Ray runs once per process. While the Ray another Engine started embedded runs (sized
+        for that Engine's ranks, stopped by its shutdown()), a second Engine is refused; one
+        left by an Engine collected without shutdown() is stopped (its ranks hold its
+        resources); a Ray that is no longer that one (the user's own) is free to join.
+
+        Raises:
+            RuntimeError: another live Engine's embedded Ray runs.
+        """
+        if not _EMBEDDED:
+            return
+        owner = _EMBEDDED["owner"]()
+        if not (ray.is_initialized() and _current_gcs(ray) == _EMBEDDED["gcs"]):
+            _EMBEDDED.clear()  # (that Ray is gone)
+        elif owner is None:
+            ray.shutdown()
+            _EMBEDDED.clear()
+        elif owner is not self:
             raise RuntimeError(
                 "another Engine of this process runs on the Ray it started embedded (sized for "
                 "its own ranks, and stopped by its shutdown()): shut it down first, or run both "
                 "on a cluster (`ray start --head`, then ray_address='auto')")
+
+    def _init_ray(self, ray, address: Optional[str], device: str, extra: dict) -> None:
+        self._claim_embedded_ray(ray)
+        from_env = False
         if address is None and not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None  # e.g. set by `ray job submit`
+            from_env = address is not None
         if address is not None:
-            _check_reachable(address, self.timeout_s)
+            try:
+                _check_reachable(address, self.timeout_s)
+            except ConnectionError as e:
+                if from_env:
+                    raise ConnectionError(f"RAY_ADDRESS in the environment: {e}") from e
+                raise
             if not ray.is_initialized():
                 try:
                     ray.init(address=address, **extra)
@@ -336,17 +373,18 @@ class Engine:
             kw = dict(address="local", include_dashboard=False,
                       object_store_memory=128 * 1024 ** 2, logging_level=logging.WARNING)
             import torch
-            if device == "cuda" and torch.cuda.device_count() < self.world_size:
+            here = extra.get("num_gpus", torch.cuda.device_count())
+            if device == "cuda" and here < self.world_size:
                 raise ValueError(f"device 'cuda': {self.world_size} GPU rank(s) need as many "
-                                 f"GPUs, this machine has {torch.cuda.device_count()} (lower "
-                                 f"--world-size or use --device cpu)")
+                                 f"GPUs, this machine has {here:g} (lower --world-size or use "
+                                 f"--device cpu)")
             if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
                 kw["num_cpus"] = self.world_size
                 kw["num_gpus"] = 0
             kw.update(extra)
             self._started_ray = True  # (before: an interrupted ray.init leaves processes to stop)
-            _EMBEDDED_BY[:] = [weakref.ref(self)]
             ray.init(**kw)
+            _EMBEDDED.update(owner=weakref.ref(self), gcs=_current_gcs(ray))
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
         if use_gpu and gpus < self.world_size:
@@ -632,10 +670,10 @@ class Engine:
                 pass
         if ray.is_initialized():
             self._kill_workers()
-        if self._started_ray:
+        owner = _EMBEDDED["owner"]() if _EMBEDDED else None
+        if self._started_ray and owner in (None, self):  # (not another Engine's later Ray)
             ray.shutdown()  # (safe on a Ray that never finished starting)
-            if _EMBEDDED_BY and _EMBEDDED_BY[0]() is self:
-                _EMBEDDED_BY.clear()
+            _EMBEDDED.clear()
         self._started_ray = False
 
     def __enter__(self):
@@ -684,14 +722,24 @@ def _check_reachable(address: str, timeout_s: float) -> None:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:port
     try:
         with socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)) as s:
-            s.settimeout(min(timeout_s, 2.0))
+            s.settimeout(min(timeout_s, 5.0))
             s.sendall(b"GET / HTTP/1.0\r\n\r\n")
             try:
-                http = s.recv(5) == b"HTTP/"
-            except OSError:  # (a GCS does not answer HTTP/1: no reply or a reset)
-                http = False
+                reply = s.recv(5)
+            except socket.timeout:
+                reply = None
+            except OSError:  # (a reset)
+                reply = b""
     except (OSError, ValueError) as e:
         raise ConnectionError(f"cannot reach the Ray cluster at {address!r}: {e}") from e
+    http = reply == b"HTTP/"
+    if reply is None and os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        # a GCS (gRPC, HTTP/2) sends its SETTINGS frame as soon as it accepts a connection; a
+        # silent server would keep ray.init retrying (inside Ray's C++ code: Ctrl-C cannot
+        # reach it) without end. (A TLS GCS waits for the client's hello instead.)
+        raise ConnectionError(f"{address!r} accepts connections but does not answer like a "
+                              f"Ray GCS (no reply within {min(timeout_s, 5.0):g} s); "
+                              f"{_GCS_HINT}")
     if http:
         raise ConnectionError(f"{address!r} answers HTTP: that is Ray's dashboard (port 8265 by "
                               f"default) or another web server, not the cluster's GCS; {_GCS_HINT}")

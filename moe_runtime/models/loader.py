@@ -76,7 +76,7 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
         raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF-format checkpoint)")
     try:
         cfg = AutoConfig.from_pretrained(model_dir)
-    except ImportError:
+    except (ImportError, OSError):
         raise
     except Exception as e:  # e.g. a field of the wrong type (huggingface_hub's strict checks)
         raise ValueError(f"{model_dir}/config.json: {type(e).__name__}: {e}") from e
