@@ -63,31 +63,24 @@ class Router(CheckedModule):
                 self.e_score_correction_bias.zero_()
 
     def __setattr__(self, name, value):
-        if (name == "e_score_correction_bias" and isinstance(value, torch.Tensor)
-                and value.is_floating_point() and value.dtype != torch.float32):
+        if name == "e_score_correction_bias" and isinstance(value, torch.Tensor):
+            if not value.is_floating_point():
+                raise TypeError(f"Router.e_score_correction_bias must be a floating tensor, got "
+                                f"{value.dtype}")
             value = value.float()  # (e.g. load_state_dict(assign=True) of a bf16 state dict)
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
-        """A conversion of the module (.to(dtype), .half(), .cuda()) converts the weight, except
-        where HF keeps tensors in fp32 (DeepSeek-V3's _keep_in_fp32_modules_strict: both decide
-        the expert choice, and bf16 would round them): the correction bias, and a fp32 weight
-        when config.router_logits_fp32; those only follow the device, converted from their
-        fp32 values (and gradients). An assigned bias is kept fp32 too (`__setattr__`)."""
+        """A conversion of the module (.to(dtype), .half(), .cuda()) converts the weight; the
+        correction bias keeps fp32 (HF keeps it so: it decides the expert choice, and bf16 would
+        round it) and only follows the device, converted from its fp32 values. An assigned bias
+        is kept fp32 too (`__setattr__`). (The weight follows the cast, as under HF's own
+        `.to()`; a buffer is never part of an FSDP group's uniform parameter dtype.)"""
         bias = self._buffers.get("e_score_correction_bias")
-        weight = self._parameters.get("weight")
-        keep = self.config.router_logits_fp32 and weight is not None and weight.dtype == torch.float32
-        grad = weight.grad if keep else None
-        data, grad = (weight.data, None if grad is None else grad.data) if keep else (None, None)
         out = super()._apply(fn, recurse)
         new = self._buffers.get("e_score_correction_bias")
         if bias is not None and new is not None and new.dtype != torch.float32:
             self._buffers["e_score_correction_bias"] = bias.to(device=new.device, dtype=torch.float32)
-        w = self._parameters.get("weight")
-        if keep and w is not None and w.dtype != torch.float32:
-            w.data = data.to(device=w.device)
-            if grad is not None:
-                w.grad = grad.to(device=w.device)
         return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

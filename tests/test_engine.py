@@ -394,21 +394,33 @@ def test_a_second_engine_on_anothers_embedded_ray_is_refused():
         driver._EMBEDDED.clear()
 
 
-def test_a_stale_engines_shutdown_leaves_a_later_engines_ray_alone(monkeypatch):
+@pytest.mark.parametrize("later", ["another Engine's embedded Ray", "the user's own Ray"])
+def test_a_stale_engines_shutdown_leaves_a_later_ray_alone(monkeypatch, later):
+    """An Engine whose Ray was stopped under it (ray.shutdown()), then another Ray started (by a
+    later Engine, or by the user), must not stop that Ray or kill its actors when it is shut
+    down at last: it touches only the Ray it ran on (its GCS address)."""
     import weakref
+    from types import SimpleNamespace
 
     from moe_runtime.engine import driver
-    stopped = []
+    stopped, killed = [], []
     monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    stale, later = _bare_engine(), _bare_engine()
-    stale._started_ray = later._started_ray = True
-    driver._EMBEDDED.update(owner=weakref.ref(later), gcs="10.0.0.1:6379")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="10.0.0.2:6379"))
+    monkeypatch.setattr(ray, "kill", lambda w, no_restart: killed.append(w))
+    monkeypatch.setattr(ray, "wait", lambda *a, **k: ([], []))
+    stale, current = _bare_engine(), _bare_engine()
+    stale._started_ray, stale._ray_gcs, stale.workers = True, "10.0.0.1:6379", ["stale actor"]
+    current._ray_gcs, current.workers = "10.0.0.2:6379", []
+    embedded = current._started_ray = later == "another Engine's embedded Ray"
+    if embedded:
+        driver._EMBEDDED.update(owner=weakref.ref(current), gcs="10.0.0.2:6379")
     try:
         stale.shutdown()
-        assert stopped == [] and driver._EMBEDDED["owner"]() is later
-        later.shutdown()
-        assert stopped == [True] and not driver._EMBEDDED
+        assert stopped == [] and killed == [] and stale.workers == []
+        assert (driver._EMBEDDED.get("owner") is not None) == embedded
+        current.shutdown()
+        assert stopped == ([True] if embedded else []) and not driver._EMBEDDED
     finally:
         driver._EMBEDDED.clear()
 

@@ -527,24 +527,18 @@ def test_a_cast_layer_computes_in_its_new_dtype(dtype):
         assert torch.equal(layer(x), built(x))
 
 
-def test_a_cast_keeps_the_deepseek_router_tensors_in_fp32():
-    """As HF's DeepSeek-V3 (_keep_in_fp32_modules_strict) keeps them when it loads a bf16
-    checkpoint: a cast keeps the fp32 router weight (config.router_logits_fp32) and its
-    gradient, and the correction bias, whose values it does not round; the other weights and
-    gradients follow the cast; a bf16 state dict assigned (assign=True) gives an fp32 bias."""
+def test_an_assigned_correction_bias_is_kept_fp32():
+    """load_state_dict(assign=True) of a bf16 state dict (a DeepSeek-V3 model cast by HF's
+    `.to()`): the bias becomes fp32; a non-floating bias is refused."""
     cfg = MoEConfig(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8,
                     dtype=torch.float32, scoring="sigmoid", use_correction_bias=True,
                     router_logits_fp32=True)
     layer = MoELayer(cfg, backend="reference")
-    x = torch.randn(5, 16)
-    layer(x).sum().backward()
-    weight, grad = layer.router.weight.detach().clone(), layer.router.weight.grad.clone()
-    layer.to(torch.bfloat16)
-    assert torch.equal(layer.router.weight, weight) and torch.equal(layer.router.weight.grad, grad)
-    assert layer.experts.gate_up_proj.grad.dtype == torch.bfloat16 and layer.dtype == torch.bfloat16
-    assert layer(x.bfloat16()).dtype == torch.bfloat16
     layer.load_state_dict({k: v.bfloat16() for k, v in layer.state_dict().items()}, assign=True)
     assert layer.router.e_score_correction_bias.dtype == torch.float32
+    assert layer.dtype == torch.bfloat16 and layer(torch.randn(3, 16).bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="e_score_correction_bias must be a floating tensor"):
+        layer.router.e_score_correction_bias = torch.zeros(8, dtype=torch.int64)
 
 
 def test_a_cast_keeps_the_correction_bias_in_fp32():

@@ -229,6 +229,8 @@ class Engine:
             Ray with fewer GPUs than world_size.
     """
 
+    _ray_gcs: Optional[str] = None  # the GCS address of the Ray this engine runs on
+
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
                  attention: str = "dp", ray_address: Optional[str] = None, device: str = "auto",
                  dtype: str = "auto", backend: str = "auto", timeout_s: float = 120.0,
@@ -385,6 +387,7 @@ class Engine:
             self._started_ray = True  # (before: an interrupted ray.init leaves processes to stop)
             ray.init(**kw)
             _EMBEDDED.update(owner=weakref.ref(self), gcs=_current_gcs(ray))
+        self._ray_gcs = _current_gcs(ray)
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
         if use_gpu and gpus < self.world_size:
@@ -662,18 +665,23 @@ class Engine:
         ray = _ray_module()
         if ray is None:  # interrupted inside `import ray`: nothing was started
             return
-        if self.workers and ray.is_initialized():
+        # the Ray up now is this engine's unless it has another GCS (the user's own, or another
+        # Engine's, started after this engine's Ray was stopped): that one is left alone
+        ours = (not ray.is_initialized() or self._ray_gcs is None
+                or _current_gcs(ray) == self._ray_gcs)
+        if ours and self.workers and ray.is_initialized():
             try:
                 ray.wait([w.shutdown.remote() for w in self.workers],
                          num_returns=len(self.workers), timeout=10)
             except Exception:
                 pass
-        if ray.is_initialized():
+        if ours and ray.is_initialized():
             self._kill_workers()
-        owner = _EMBEDDED["owner"]() if _EMBEDDED else None
-        if self._started_ray and owner in (None, self):  # (not another Engine's later Ray)
+        self.workers, self.placement_group = [], None
+        if self._started_ray and ours:
             ray.shutdown()  # (safe on a Ray that never finished starting)
-            _EMBEDDED.clear()
+            if _EMBEDDED and _EMBEDDED["owner"]() in (None, self):
+                _EMBEDDED.clear()
         self._started_ray = False
 
     def __enter__(self):
