@@ -69,6 +69,9 @@ Differences from the HF module, by design:
     * A cast of the swapped model (`.to(torch.bfloat16)`) converts each MoELayer like any module
       (its config.dtype follows its weights); DeepSeek-V3's e_score_correction_bias stays fp32
       (HF keeps it so when it loads a checkpoint; a plain `.to()` of the HF model would round it).
+      Its router weight follows the cast, as under HF's `.to()`; HF's from_pretrained(dtype=
+      torch.bfloat16) keeps that fp32 too, so load DeepSeek-V3 in bf16 and swap it rather than
+      casting after the swap (a rounded router weight moves some tokens to other experts).
 """
 from __future__ import annotations
 
