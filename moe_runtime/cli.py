@@ -193,18 +193,15 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
         FileNotFoundError, ValueError (CheckpointError): no config.json, no weights, no
             tokenizer, bad config.
     """
-    from .engine.driver import (check_prompts, check_weights, check_world_size, choose_topology,
-                                load_tokenizer)
+    from .engine.driver import (check_prompts, check_ray_address, check_weights, check_world_size,
+                                choose_topology, load_tokenizer)
     from .models import read_spec
     spec = read_spec(model_dir, args.dtype)[0]
     check_weights(model_dir)
     world_size = args.world_size
     try:
-        address = getattr(args, "ray_address", None)
-        if address is not None and (not address.strip() or address.startswith(("http://", "https://"))):
-            raise ValueError(f"--ray-address must be 'auto' or the cluster's GCS host:port "
-                             f"(e.g. host:6379), got {address!r} (an http:// address is the "
-                             f"dashboard / job API that `ray job submit` takes)")
+        if getattr(args, "ray_address", None) is not None:
+            check_ray_address(args.ray_address, "--ray-address")
         if args.attention is not None and args.topology != "auto":
             raise ValueError(f"--attention applies to --topology auto only; topology "
                              f"{args.topology!r} fixes how attention is split")

@@ -239,8 +239,9 @@ class MoELayer(nn.Module):
         dtype = self._common_dtype()
         if dtype in _DTYPES.values() and dtype != self.config.dtype:
             old, self.config = self.config, dataclasses.replace(self.config, dtype=dtype)
-            if getattr(self.router, "config", None) is old:
-                self.router.config = self.config
+            router = unwrapped(self.router)
+            if getattr(router, "config", None) is old:
+                router.config = self.config
         g = self.cuda_graphs
         if g is not None:  # .to() / .cuda(): new storage, maybe a new device or dtype
             g.invalidate()

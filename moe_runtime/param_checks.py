@@ -25,9 +25,9 @@ def note_assignment(module: nn.Module, name: str, value) -> None:
 
 
 class CheckedModule(nn.Module):
-    """An nn.Module whose tensors and submodules, once set, keep their shape and dtype when
-    assigned again (`check_replacement`), and whose assignments bump structure_version
-    (Router, Experts, SharedExpert)."""
+    """An nn.Module whose tensors and submodules, once set, keep their shape when assigned
+    again (`check_replacement`), and whose assignments bump structure_version (Router,
+    Experts, SharedExpert)."""
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)

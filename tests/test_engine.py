@@ -321,7 +321,7 @@ def test_unreachable_ray_address_fails_fast(ckpt):
         Engine(ckpt, world_size=1, topology="local", ray_address=f"127.0.0.1:{port}", timeout_s=5)
 
 
-def test_http_addresses_fail_fast_naming_the_gcs(ckpt):
+def test_http_addresses_fail_fast_naming_the_gcs(ckpt, monkeypatch):
     """Ray's dashboard / job-API address (what `ray job submit` takes) is not the cluster's GCS:
     ray.init retried it without end (Ctrl-C and timeout_s ignored); refused at once."""
     import http.server
@@ -336,8 +336,16 @@ def test_http_addresses_fail_fast_naming_the_gcs(ckpt):
         with pytest.raises(ConnectionError, match=f"'127.0.0.1:{port}' answers HTTP: that is Ray's "
                                                   f"dashboard .* not the cluster's GCS"):
             Engine(ckpt, world_size=1, topology="local", ray_address=f"127.0.0.1:{port}")
-        with pytest.raises(ConnectionError, match="is an HTTP address .* host:6379"):
+        with pytest.raises(ValueError, match="ray_address 'http://.*' is an HTTP address .* "
+                                             "host:6379"):
             Engine(ckpt, world_size=1, topology="local", ray_address=f"http://127.0.0.1:{port}")
+        with monkeypatch.context() as m:  # (from the environment, e.g. set for the jobs CLI)
+            from types import SimpleNamespace
+            m.setenv("RAY_ADDRESS", f"http://127.0.0.1:{port}")
+            not_started = SimpleNamespace(is_initialized=lambda: False)
+            with pytest.raises(ValueError, match="RAY_ADDRESS in the environment 'http://.*' is "
+                                                 "an HTTP address"):
+                _bare_engine()._init_ray(not_started, None, "cpu", {})
         assert time.monotonic() - t0 < 30 and ray.is_initialized() == started
     finally:
         server.shutdown()
@@ -351,7 +359,7 @@ def test_bad_arguments_fail_before_ray_starts(ckpt):
         Engine(ckpt, world_size=1, attention="xx")
     with pytest.raises(ValueError, match="backend 'cute' runs CuTeDSL kernels on GPUs"):
         Engine(ckpt, world_size=1, topology="local", device="cpu", backend="cute")
-    with pytest.raises(ValueError, match="ray_address must be 'auto' or host:port"):
+    with pytest.raises(ValueError, match="ray_address must be 'auto' or the cluster's GCS host:port"):
         Engine(ckpt, world_size=1, topology="local", ray_address=" ")
     if not started and torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="2 GPU rank\\(s\\) need as many GPUs"):
@@ -805,9 +813,11 @@ def test_unreadable_tokenizer_and_config_are_named(ckpt, tmp_path, capsys):
         assert main(["generate", "--model", d, "--prompt", "hello world"]) == 1
         err = capsys.readouterr().err
         assert f"moe-runtime: error: {d}" in err and what in err and "Traceback" not in err
-    for bad in ("", "http://127.0.0.1:8265"):  # bad argument values: exit 2, before Ray starts
+    for bad, what in (("", "--ray-address must be 'auto' or the cluster's GCS host:port"),
+                      ("http://127.0.0.1:8265", "--ray-address 'http://127.0.0.1:8265' is an "
+                                                "HTTP address")):  # exit 2, before Ray starts
         assert main(["generate", "--model", ckpt, "--prompt", "hi", "--ray-address", bad]) == 2
-        assert "--ray-address must be 'auto' or the cluster's GCS host:port" in capsys.readouterr().err
+        assert what in capsys.readouterr().err
 
 
 def test_prompts_file_of_blank_lines_is_a_usage_error_and_crlf_is_stripped(tmp_path):

@@ -254,9 +254,8 @@ class Engine:
         if device == "cpu" and backend == "cute":
             raise ValueError("backend 'cute' runs CuTeDSL kernels on GPUs; CPU ranks need backend "
                              "'reference' or 'auto'")
-        if ray_address is not None and (not isinstance(ray_address, str) or not ray_address.strip()):
-            raise ValueError(f"ray_address must be 'auto' or host:port (the cluster's GCS), got "
-                             f"{ray_address!r}")
+        if ray_address is not None:
+            check_ray_address(ray_address)
         self.model_dir, self.world_size, self.timeout_s = model_dir, world_size, timeout_s
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.workers: list = []
@@ -352,6 +351,8 @@ class Engine:
         if address is None and not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None  # e.g. set by `ray job submit`
             from_env = address is not None
+            if from_env:
+                check_ray_address(address, "RAY_ADDRESS in the environment")
         if address is not None:
             try:
                 _check_reachable(address, self.timeout_s)
@@ -680,8 +681,7 @@ class Engine:
         self.workers, self.placement_group = [], None
         if self._started_ray and ours:
             ray.shutdown()  # (safe on a Ray that never finished starting)
-            if _EMBEDDED and _EMBEDDED["owner"]() in (None, self):
-                _EMBEDDED.clear()
+            _EMBEDDED.clear()  # (whatever it named is not running now)
         self._started_ray = False
 
     def __enter__(self):
@@ -711,19 +711,31 @@ _GCS_HINT = ("join the cluster at its GCS address instead: 'auto' on a node of t
              "or host:6379 (the port of `ray start --head`)")
 
 
+def check_ray_address(address, source: str = "ray_address") -> None:
+    """The checks of a Ray address that need no network (Engine, the CLI's --ray-address and
+    RAY_ADDRESS); `source` names where it came from in the message.
+
+    Raises:
+        ValueError: not a non-empty str, or an http(s):// URL (Ray's dashboard / job API, which
+            `ray job submit` takes: ray.init would retry it without end).
+    """
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(f"{source} must be 'auto' or the cluster's GCS host:port, got "
+                         f"{address!r}")
+    if address.startswith(("http://", "https://")):
+        raise ValueError(f"{source} {address!r} is an HTTP address (Ray's dashboard and job "
+                         f"API, which `ray job submit` takes); {_GCS_HINT}")
+
+
 def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fail fast on a Ray address nobody listens on, or on one that answers HTTP (Ray's
-    dashboard / job API, port 8265 by default, which `ray job submit` uses): ray.init would
-    retry either without end.
+    """Fail fast on a Ray address nobody listens on, that never answers, or that answers HTTP
+    (Ray's dashboard, port 8265 by default): ray.init would retry any of them without end.
 
     Raises:
         ConnectionError: naming the address, when "host:port" refuses or times out a TCP
-            connect, answers an HTTP request, or is an http(s):// URL.
+            connect, sends nothing, or answers an HTTP request.
     """
     import socket
-    if address.startswith(("http://", "https://")):
-        raise ConnectionError(f"{address!r} is an HTTP address (Ray's dashboard and job API); "
-                              f"{_GCS_HINT}")
     if address == "auto" or address.startswith("ray://") or ":" not in address:
         return
     host, _, port = address.rpartition(":")

@@ -130,14 +130,13 @@ def dispatch(
     rank_in_expert = torch.arange(T * k, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
     slot = torch.empty(T * k, dtype=torch.long, device=dev)
     slot[order] = torch.where(sorted_e < E, offsets[sorted_e] + rank_in_expert, -1)
-    # expert_x by a gather of the token rows (each row's source token, -1 for padding / unused)
     rows = dispatch_capacity(T, k, E, align)
-    src = torch.full((rows + 1,), -1, dtype=torch.long, device=dev)
-    src.scatter_(0, torch.where(slot >= 0, slot, rows), torch.arange(T * k, device=dev) // k)
-    src = src[:rows]
     if T * k == 0:  # (static: no token row to gather, only padding rows)
         expert_x = x.new_zeros(rows, H)
-    else:
+    else:  # a gather of the token rows: each row's source token, -1 for padding / unused
+        src = torch.full((rows + 1,), -1, dtype=torch.long, device=dev)
+        src.scatter_(0, torch.where(slot >= 0, slot, rows), torch.arange(T * k, device=dev) // k)
+        src = src[:rows]
         expert_x = torch.where((src >= 0).unsqueeze(1), x[src.clamp(min=0)],
                                torch.zeros((), dtype=x.dtype, device=dev))
     return expert_x, offsets.to(torch.int32), slot.view(T, k).to(torch.int32)
