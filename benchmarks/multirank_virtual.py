@@ -41,12 +41,20 @@ from moe_runtime.kernels.ep_combine import ep_combine  # noqa: E402
 from moe_runtime.kernels.ep_dispatch import DECODE_MAX_TOKENS, ep_dispatch  # noqa: E402
 
 
-def gpu_us(fn, n):
-    """GPU time per call: a sleep kernel holds the stream while the host queues n calls."""
+def gpu_us(fn, n, rendezvous=None):
+    """GPU time per call: a sleep kernel holds the stream while the host queues n calls.
+
+    rendezvous: with one process per GPU, a collective queued after the sleep and before the
+    start event (e.g. an NCCL all_reduce of one element), so that every rank's timed calls
+    start together. Without it the ranks' sleeps end apart (their host queueing and SM clocks
+    differ: 0.5% of 0.1 s is 0.5 ms) and the first call's wait for its peers is charged to the
+    n calls: on 2 H200s an NCCL all_reduce of one float then measured 40 us per call."""
     fn()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(int(2e8))  # ~0.1 s at ~2 GHz: longer than queueing n calls
+    if rendezvous is not None:
+        rendezvous()
     s.record()
     for _ in range(n):
         fn()
@@ -161,6 +169,10 @@ def real_mode(a):
                          f"all_to_all_single splits), got tokens {a.tokens}, topk {K}")
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(rank)
+    token = torch.zeros(1, device="cuda")
+
+    def rendezvous():  # the ranks' timed calls start together (gpu_us)
+        dist.all_reduce(token)
     for T in a.tokens:  # buffers sized T per rank: dispatch decode (one launch) up to 128
         b = pb.PeerBuffers.from_process_group(pb.PeerSpec(W, T, H, K, E))
         if rank == 0:
@@ -199,10 +211,10 @@ def real_mode(a):
             fn()
             b.check_errors(f"{op} T={T} warm-up")
             dist.barrier()
-            g = gpu_us(fn, a.iters)
+            g = gpu_us(fn, a.iters, rendezvous)
             b.check_errors(f"{op} T={T}")
             dist.barrier()
-            g_ref = gpu_us(ref, a.iters)
+            g_ref = gpu_us(ref, a.iters, rendezvous)
             dist.barrier()
             rows.append(dict(W=W, T=T, op=op, gpu_us=g, nccl_us=g_ref, bytes_per_gpu=nbytes,
                              transport=b.mode,

@@ -81,6 +81,36 @@ def block_exclusive_scan(val: Int32, s_warp: cute.Tensor, warps: Constexpr[int])
 
 
 @cute.jit
+def shared_exclusive_scan(src: cute.Tensor, dst: cute.Tensor, n: Constexpr[int],
+                          s_warp: cute.Tensor, threads: Constexpr[int]):
+    """dst[i] = src[0] + ... + src[i - 1] for i <= n (dst[n] = the total); src and dst are
+    distinct shared Int32 tensors, src written before a barrier the caller passed. Each thread
+    sums ceil(n / threads) consecutive values, one block_exclusive_scan joins the threads
+    (s_warp: its scratch, [threads / 32]). Block-wide call; ends with a barrier, after which
+    dst may be read and s_warp rewritten."""
+    tidx, _, _ = cute.arch.thread_idx()
+    P = (n + threads - 1) // threads
+    vals = []
+    mine = Int32(0)
+    for i in cutlass.range_constexpr(P):
+        e = tidx * P + i
+        v = Int32(0)
+        if e < n:
+            v = src[e]
+        vals.append(v)
+        mine = mine + v
+    before, total = block_exclusive_scan(mine, s_warp, threads // 32)
+    for i in cutlass.range_constexpr(P):
+        e = tidx * P + i
+        if e < n:
+            dst[e] = before
+        before = before + vals[i]
+    if tidx == 0:
+        dst[n] = total
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def warp_padded_totals(ws: cute.Tensor, at: Constexpr[int], align: Int32, lane: Int32,
                        E: Constexpr[int]) -> list:
     """Warp-wide: [pad_i] for i < P = ceil(E / 32), pad_i = ceil(c / align) * align of expert

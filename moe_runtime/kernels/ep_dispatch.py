@@ -53,8 +53,14 @@ process each, PeerBuffers.from_process_group): the dp_nvlink topology's GPU test
 (tests/gpu/test_topologies_cute_gpu.py) runs two processes on one GPU over CUDA IPC, and
 tests/gpu/test_multi_gpu.py one process per GPU over CUDA IPC between NVLink peers (passed on
 2 H200s, NV18). `benchmarks/multirank_virtual.py --real` on those 2 H200s (H 7168, k 8, E 256,
-bf16, symm_mem buffers): dispatch + combine 130 us at 128 tokens per rank (decode mode; NCCL's
-two all_to_all_single of the same rows 106 us) and 1937 us at 4096 (NCCL 1600 us).
+bf16, symm_mem buffers; 2026-11-30, timed calls started together by an NCCL rendezvous):
+decode dispatch 28.6 us at 1 token per rank (NCCL's all_to_all_single of the same rows 12.8
+us, its all_reduce of one float ~21 us in the same timing), dispatch + combine 103 us at 128
+tokens per rank (decode mode; NCCL's two all_to_all_single 92 us) and 1919 us at 4096 (NCCL
+1605 us). The same decode dispatch with W = 2 virtual ranks on one H200 takes 13 us at T = 1:
+about half of the real-rank time is the cross-GPU flag round trips. PUBLISH and RECV scan the
+counts in shared memory (device_counts.shared_exclusive_scan) instead of a serial sum per
+thread (up to E_l dependent loads): W = 2 virtual, T = 1 / 8 15.0 / 16.3 -> 13.0 / 13.7 us.
 """
 from __future__ import annotations
 
@@ -70,7 +76,7 @@ import cuda.bindings.driver as cuda
 from cutlass import Constexpr, Int32, Int64
 
 from ..comm import peer_buffers as pb
-from .device_counts import round_up
+from .device_counts import round_up, shared_exclusive_scan
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
                         copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at, in_range,
                         rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
@@ -106,11 +112,13 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
     ids = i32_at(mTab[pb.F_ARG_IDS, rank])
     err = mTab[pb.F_ERR, rank]
     smem = cutlass.memory.SmemAllocator()
-    sA = smem.allocate_tensor(Int32, cute.make_layout(W * E_l), byte_alignment=16)
+    sA = smem.allocate_tensor(Int32, cute.make_layout(W * E_l + 1), byte_alignment=16)
     sB = smem.allocate_tensor(Int32, cute.make_layout(W * E_l), byte_alignment=16)
     sC = smem.allocate_tensor(Int32, cute.make_layout(W * E_l), byte_alignment=16)
     sT = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1), byte_alignment=16)
     sN = smem.allocate_tensor(Int32, cute.make_layout(W), byte_alignment=16)
+    sX = smem.allocate_tensor(Int32, cute.make_layout(W * E_l + 1), byte_alignment=16)
+    sW = smem.allocate_tensor(Int32, cute.make_layout(threads // 32), byte_alignment=16)
     cnt = i32_at(mTab[pb.F_CNT, rank])
     stage = i32_at(mTab[pb.F_STAGE, rank])
     inv = i32_at(mTab[pb.F_INV, rank])
@@ -132,15 +140,14 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                               Int32(1))
         # ---------------------------------------------------------------- PUBLISH
         if cutlass.const_expr(phases & PH_PUBLISH):
+            for q in cutlass.range(tidx, W * E_l, threads):
+                sC[q] = _ld(cnt + q)
+            cute.arch.sync_threads()
+            shared_exclusive_scan(sC, sX, W * E_l, sW, threads)
             for q in cutlass.range(tidx, W * E_l, threads):  # scan within each dest segment
-                acc = Int32(0)
-                for u in cutlass.range((q // E_l) * E_l, q, 1):
-                    acc = acc + _ld(cnt + u)
-                sA[q] = acc
+                sA[q] = sX[q] - sX[(q // E_l) * E_l]
             if tidx < W:
-                acc = Int32(0)
-                for u in cutlass.range(tidx * E_l, tidx * E_l + E_l, 1):
-                    acc = acc + _ld(cnt + u)
+                acc = sX[tidx * E_l + E_l] - sX[tidx * E_l]
                 if lb == 0:  # rows past S are refused below (E_OVERFLOW): never sent
                     cute.arch.store(nsend + tidx, acc if acc < S else S)
             cute.arch.sync_threads()
@@ -207,35 +214,26 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                 for s in cutlass.range_constexpr(W):
                     tot = tot + sC[s * E_l + le]
                 sT[le] = round_up(tot, align)
-            if tidx < W:
-                acc = Int32(0)
-                for u in cutlass.range(tidx * E_l, tidx * E_l + E_l, 1):
-                    acc = acc + sC[u]
-                sN[tidx] = acc if in_range(acc, S + 1, err, Int32(E_BAD_COUNT), tidx) else 0
             cute.arch.sync_threads()
+            shared_exclusive_scan(sC, sX, W * E_l, sW, threads)  # within each source: sX - base
+            shared_exclusive_scan(sT, sA, E_l, sW, threads)  # sA[0:E_l+1] = expert offsets
             offs = i32_at(mTab[pb.F_OFFS, rank])
-            for le in cutlass.range(tidx, E_l + 1, threads):
-                off = Int32(0)
-                for u in cutlass.range(0, le, 1):
-                    off = off + sT[u]
-                if lb == 0:
-                    cute.arch.store(offs + le, off)
-                if le < E_l:
-                    sA[le] = off  # sA[0:E_l] = expert offsets (sA is free after PUBLISH)
             if lb == 0:
-                if tidx < W:
+                for le in cutlass.range(tidx, E_l + 1, threads):
+                    cute.arch.store(offs + le, sA[le])
+            if tidx < W:
+                acc = sX[tidx * E_l + E_l] - sX[tidx * E_l]
+                sN[tidx] = acc if in_range(acc, S + 1, err, Int32(E_BAD_COUNT), tidx) else 0
+                if lb == 0:
                     cute.arch.store(i32_at(mTab[pb.F_NRECV, rank]) + tidx, sN[tidx])
-            cute.arch.sync_threads()
             for q in cutlass.range(tidx, W * E_l, threads):  # (source, expert) sub-segments
                 s = q // E_l
                 le = q - s * E_l
                 within = Int32(0)
                 for u in cutlass.range(0, s, 1):
                     within = within + sC[u * E_l + le]
-                lo = Int32(0)
-                for u in cutlass.range(s * E_l, q, 1):
-                    lo = lo + sC[u]
-                sB[q] = sA[le] + within - lo  # row = sB[s, le] + staging index i
+                # row = sB[s, le] + staging index i (i counts from the start of source s)
+                sB[q] = sA[le] + within - (sX[q] - sX[s * E_l])
             cute.arch.sync_threads()
             counts = [sN[q] for q in range(W)]
             _p, _c, _n, total = chunk_of(Int32(0), rank, counts, chunk, W)

@@ -49,6 +49,13 @@ from . import _log_once
 # T = 4096 (five interleaved rounds) the gain did not show: gate/up 394-526 against 396-434 us,
 # layer 681-758 against 710-756 us (the kernel durations there move by 10-20% between rounds,
 # with the power state of the GPU), so no rule was added for it.
+# quack's gather_A (A_idx: the gate/up GEMM reads x's rows through a slot -> token index, so
+# the dispatch would not copy rows) loads A with cp.async on sm_90 and needs cluster_n = 1; on
+# the H200 (graph replay, best of three interleaved rounds, same outputs bit for bit) it was
+# slower than the dispatch copy plus this GEMM: Qwen3-30B-A3B T = 1024 / 4096 / 16384 279.5 /
+# 557.8 / 1439.4 us against 11.8 + 213.4 / 39.3 + 394.3 / 166.1 + 1157.2, DeepSeek-V3 T = 4096
+# 6218 against 145 + 4948, Mixtral T = 4096 2948 against 27 + 2846 (bench_out diagnostic
+# gather_a.py); not used.
 GATE_UP_TILE = (128, 192, True, 1, 2)
 DOWN_TILE = (128, 128, True, 1, 2)
 ONE_TILE_192 = (192, 128, True, 1, 2)
