@@ -2,8 +2,9 @@
 and its PTX holds what the protocol relies on. The NVLS kernel is compiled only: its PTX must
 contain the multimem instructions; it is never launched anywhere.
 
-Configurations: W in {2, 4, 8} virtual ranks (n_local = W, CTAs per rank as on a 132-SM H200)
-and one real-rank layout (n_local = 1); the dispatch in decode (one cooperative launch) and
+Configurations: W in {2, 4, 8} virtual ranks (n_local = W, CTAs per rank as on a 132-SM H200,
+the decode launches at each CTAs-per-SM count they take on the architecture) and one real-rank
+layout (n_local = 1); the dispatch in decode (one cooperative launch) and
 prefill (one launch per phase) modes, the combine in one decode launch and its two prefill
 phases; one-shot, two-shot, each also with the tp combine fused in front. No kernel may read a
 timer (%globaltimer or %clock64 in a wait loop faulted these kernels on the H200:
@@ -20,6 +21,7 @@ from moe_runtime.kernels import allreduce as ar  # noqa: E402
 from moe_runtime.kernels import ep_combine as ec  # noqa: E402
 from moe_runtime.kernels import ep_dispatch as ed  # noqa: E402
 from moe_runtime.kernels import nvls_allreduce as nv  # noqa: E402
+from moe_runtime.kernels import peer_sync as ps  # noqa: E402
 
 # Compile for real: never load a binary from the DSL's on-disk cache (a test that only loaded
 # would not show that the current source compiles).
@@ -41,8 +43,20 @@ TIMER = r"%globaltimer|%clock"
 LAYOUTS = [(2, 2), (4, 4), (8, 8), (8, 1)]
 
 
-def _cpr(n_local, one_per_sm):
-    return SMS // n_local if one_per_sm else 4 * SMS // n_local
+def _cpr(n_local, per_sm):
+    return max(1, min(per_sm * SMS // n_local, 1024))
+
+
+def _decode_per_sm(arch):
+    """The CTAs per SM the cooperative decode launches take on `arch`, for few and for many
+    items (peer_sync.cooperative_ctas_per_sm): each is its own compiled configuration."""
+    major = int(re.match(r"sm_(\d+)0a", arch).group(1))
+    return sorted({ps.cooperative_ctas_per_sm(n, major) for n in (1, ps.WIDE_DECODE_ITEMS)})
+
+
+def test_decode_takes_two_ctas_per_sm_on_sm90_only_for_many_items():
+    assert _decode_per_sm("sm_90a") == [1, 2] and _decode_per_sm("sm_100a") == [1]
+    assert ps.cooperative_ctas_per_sm(ps.WIDE_DECODE_ITEMS - 1, 9) == 1
 
 
 def _check(f, arch, expect, forbid=(GENERIC, DEPOT, TIMER)):
@@ -59,13 +73,14 @@ def _check(f, arch, expect, forbid=(GENERIC, DEPOT, TIMER)):
 @pytest.mark.parametrize("world,n_local", LAYOUTS)
 def test_dispatch_compiles(arch, world, n_local):
     El = E // world
-    f = ed.compile_dispatch(ed.PH_ALL, H, K, world, El, ed.DECODE_CHUNK, _cpr(n_local, True),
-                            n_local, 1, "bfloat16", arch)
-    _check(f, arch, [V4LD, V4ST, REL, ACQ, r"atom\.global", r"nanosleep"])
+    for per_sm in _decode_per_sm(arch):
+        f = ed.compile_dispatch(ed.PH_ALL, H, K, world, El, ed.DECODE_CHUNK,
+                                _cpr(n_local, per_sm), n_local, 1, "bfloat16", arch)
+        _check(f, arch, [V4LD, V4ST, REL, ACQ, r"atom\.global", r"nanosleep"])
     expect = {ed.PH_COUNT: [r"atom\.global", REL], ed.PH_PUBLISH: [REL, ACQ],
               ed.PH_SEND: [V4LD, V4ST, REL], ed.PH_RECV: [V4LD, V4ST, ACQ]}
     for ph in ed.PREFILL_PHASES:
-        f = ed.compile_dispatch(ph, H, K, world, El, ed.PREFILL_CHUNK, _cpr(n_local, False),
+        f = ed.compile_dispatch(ph, H, K, world, El, ed.PREFILL_CHUNK, _cpr(n_local, 4),
                                 n_local, 1, "bfloat16", arch)
         _check(f, arch, expect[ph])
 
@@ -77,12 +92,13 @@ def test_combine_compiles(arch, world, n_local):
     fma = r"fma\.rn\.f32|add\.f32"
     expect = {ec.PH_CSEND: [V4LD, V4ST, REL], ec.PH_CREDUCE: [V4LD, V4ST, ACQ, fma],
               ec.PH_CALL: [V4LD, V4ST, REL, ACQ, fma]}
-    for chunk, one_per_sm, phases in ((ed.DECODE_CHUNK, True, (ec.PH_CALL,)),
-                                      (ed.PREFILL_CHUNK, False, (ec.PH_CSEND, ec.PH_CREDUCE))):
+    for chunk, per_sms, phases in ((ed.DECODE_CHUNK, _decode_per_sm(arch), (ec.PH_CALL,)),
+                                   (ed.PREFILL_CHUNK, [4], (ec.PH_CSEND, ec.PH_CREDUCE))):
         for ph in phases:
-            f = ec.compile_combine(ph, H, K, world, El, chunk, _cpr(n_local, one_per_sm),
-                                   n_local, "bfloat16", arch)
-            _check(f, arch, expect[ph])
+            for per_sm in per_sms:
+                f = ec.compile_combine(ph, H, K, world, El, chunk, _cpr(n_local, per_sm),
+                                       n_local, "bfloat16", arch)
+                _check(f, arch, expect[ph])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -93,7 +109,7 @@ def test_allreduce_compiles(arch, world, n_local):
               ar.COMBINE | ar.ONESHOT: [V4LD, V4ST, REL, ACQ, fma],
               ar.COMBINE | ar.TWOSHOT: [V4LD, V4ST, REL, ACQ, fma]}
     for algo, exp in expect.items():
-        f = ar.compile_allreduce(algo, H, K, world, _cpr(n_local, True), n_local, "bfloat16", arch)
+        f = ar.compile_allreduce(algo, H, K, world, _cpr(n_local, 1), n_local, "bfloat16", arch)
         _check(f, arch, exp)
 
 

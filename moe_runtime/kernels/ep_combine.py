@@ -196,7 +196,7 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
                    pb.F_ARG_T: handle.tokens})
     dname = str(s.dtype).removeprefix("torch.")
     decode = handle.mode == "decode"
-    cpr = ctas_per_rank(bufs.n_local, decode)
+    cpr = ctas_per_rank(bufs.n_local, decode, max(handle.tokens) * s.top_k)
     launches = [compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
                                 handle.chunk, cpr, bufs.n_local, dname)
                 for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE))]  # compiled first

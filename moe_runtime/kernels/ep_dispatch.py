@@ -56,8 +56,8 @@ tests/gpu/test_multi_gpu.py one process per GPU over CUDA IPC between NVLink pee
 bf16, symm_mem buffers; 2026-11-30, timed calls started together by an NCCL rendezvous):
 decode dispatch 28.6 us at 1 token per rank (NCCL's all_to_all_single of the same rows 12.8
 us, its all_reduce of one float ~21 us in the same timing), dispatch + combine 103 us at 128
-tokens per rank (decode mode; NCCL's two all_to_all_single 92 us) and 1919 us at 4096 (NCCL
-1605 us). The same decode dispatch with W = 2 virtual ranks on one H200 takes 13 us at T = 1:
+tokens per rank (decode mode; NCCL's two all_to_all_single 92 us; 96.7 us against NCCL's 96.1
+with two CTAs per SM, peer_sync.cooperative_ctas_per_sm) and 1919 us at 4096 (NCCL 1605 us). The same decode dispatch with W = 2 virtual ranks on one H200 takes 13 us at T = 1:
 about half of the real-rank time is the cross-GPU flag round trips. PUBLISH and RECV scan the
 counts in shared memory (device_counts.shared_exclusive_scan) instead of a serial sum per
 thread (up to E_l dependent loads): W = 2 virtual, T = 1 / 8 15.0 / 16.3 -> 13.0 / 13.7 us.
@@ -403,7 +403,7 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
     spins = wait_bounds(timeout_s, max_spins)
     dname = str(s.dtype).removeprefix("torch.")
-    cpr = ctas_per_rank(bufs.n_local, mode == "decode")
+    cpr = ctas_per_rank(bufs.n_local, mode == "decode", max(tokens) * s.top_k)
     # every launch compiled before the epoch advances: a compile error changes no protocol state
     launches = [compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts, chunk,
                                  cpr, bufs.n_local, s.align, dname)

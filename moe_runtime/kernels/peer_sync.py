@@ -258,10 +258,34 @@ def wait_bounds(timeout_s: float, max_spins: int | None) -> int:
     return int(max_spins)
 
 
-def ctas_per_rank(n_local: int, one_per_sm: bool) -> int:
-    """CTAs per rank: one_per_sm puts one CTA per SM in all (needed by the cooperative launches
-    whose CTAs wait on each other: decode dispatch, one-/two-shot; also the decode combine);
-    otherwise 4 per SM (prefill launches: no wait on a CTA of the same launch)."""
+@functools.lru_cache(maxsize=None)
+def device_major() -> int:
+    """Compute capability major of the current CUDA device (9 on the H200)."""
+    import torch
+    return torch.cuda.get_device_capability(torch.cuda.current_device())[0]
+
+
+WIDE_DECODE_ITEMS = 256  # (t, j) items of the busiest local rank from which decode runs 2 CTAs/SM
+
+
+def cooperative_ctas_per_sm(items: int, arch_major: int) -> int:
+    """CTAs per SM of a cooperative launch (its CTAs wait on each other, so all must be
+    co-resident): 2 on sm_90 when the busiest local rank moves at least WIDE_DECODE_ITEMS (t, j)
+    items (T * k; the decode dispatch and combine), else 1. More CTAs keep more rows in flight
+    behind each row's barrier and release flag. Measured on the H200 (benchmark-style GPU time
+    with launch gaps, W = 2 virtual ranks, H 7168, k 8, E 256, dispatch + combine, one / two per
+    SM): T = 1 18.3 / 18.5 us, T = 8 19.1 / 20.8, T = 32 30.2 / 26.7, T = 128 99.9 / 70.9; four
+    per SM are not co-resident there (cudaErrorCooperativeLaunchTooLarge). Between 2 H200s
+    (one rank per GPU, benchmarks/multirank_virtual.py --real) the NVLink round trips dominate:
+    T = 128 dispatch 63.6 -> 59.5 us, dispatch + combine 103.0 -> 96.7. Other architectures
+    keep one per SM: co-residency depends on the kernels' register use, not measured there."""
+    return 2 if arch_major == 9 and items >= WIDE_DECODE_ITEMS else 1
+
+
+def ctas_per_rank(n_local: int, cooperative: bool, items: int = 0) -> int:
+    """CTAs per rank: a cooperative launch (its CTAs wait on each other: decode dispatch and
+    combine, one-/two-shot) takes cooperative_ctas_per_sm(items) CTAs per SM in all; other
+    launches 4 per SM (prefill: no wait on a CTA of the same launch)."""
     sms = sm_count()
-    per = sms // n_local if one_per_sm else 4 * sms // n_local
-    return max(1, min(per, 1024))
+    per_sm = cooperative_ctas_per_sm(items, device_major()) if cooperative else 4
+    return max(1, min(per_sm * sms // n_local, 1024))
