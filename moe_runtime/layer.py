@@ -96,6 +96,7 @@ class MoELayer(nn.Module):
         if topology.num_experts != config.num_experts:
             raise ValueError(f"topology has {topology.num_experts} experts, config {config.num_experts}")
         self.topology = topology
+        self._topology_layer = topology.register_layer()  # (its id among the topology's layers)
         self.router = Router(config, backend=backend, device=device)
         self.experts = Experts(topology.num_local_experts, config.hidden_size,
                                config.moe_intermediate_size, dtype=config.dtype, device=device,
@@ -134,8 +135,8 @@ class MoELayer(nn.Module):
             down_proj: [E, H, I] or [E_local, H, I], likewise.
 
         Raises:
-            ValueError: shapes that fit neither form, or weights on another device than the
-                layer's parameters.
+            ValueError: shapes that fit neither form, the two tensors in different forms, or
+                weights on another device than the layer's parameters.
             TypeError: weights that are not tensors or not in the layer's dtype (`dtype`).
         """
         device = self.router.weight.device
@@ -149,9 +150,16 @@ class MoELayer(nn.Module):
             if w.device != device and device.type != "meta":  # (meta: a layer being assembled)
                 raise ValueError(f"{name} is on {w.device} but the layer's other parameters are "
                                  f"on {device}: move the weights (or the layer) first")
-        r = self.local_expert_range
-        if gate_up_proj.shape[0] == self.config.num_experts != len(r):
+        r, E = self.local_expert_range, self.config.num_experts
+        lead = (gate_up_proj.dim() and gate_up_proj.shape[0], down_proj.dim() and down_proj.shape[0])
+        if lead == (E, E) and E != len(r):
             gate_up_proj, down_proj = gate_up_proj[r.start:r.stop], down_proj[r.start:r.stop]
+        elif lead != (len(r), len(r)):  # (one form for both: else ranks would differ in what fits)
+            raise ValueError(
+                f"expert weights must both hold all {E} experts ([{E}, 2I, H] and [{E}, H, I]) "
+                f"or both only this rank's {len(r)} (experts {r.start}..{r.stop - 1}: "
+                f"[{len(r)}, 2I, H] and [{len(r)}, H, I]); got gate_up_proj "
+                f"{tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)}")
         self.experts = Experts(len(r), self.config.hidden_size, self.config.moe_intermediate_size,
                                gate_up_proj=gate_up_proj, down_proj=down_proj,
                                use_grouped_mm=self.experts.use_grouped_mm,
@@ -453,7 +461,8 @@ class MoELayer(nn.Module):
     def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""
         topk_ids, topk_weights = self.router(x)
-        result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False)
+        result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False,
+                                        layer=self._topology_layer)
         hint = {} if result.expected_rows is None else {"expected_rows": result.expected_rows}
         try:
             expert_y = self.experts(result.expert_x, result.expert_offsets, **hint)

@@ -243,7 +243,8 @@ def w_out_of_step(rank, world, topo_name, failure):
 def test_a_rank_that_goes_on_after_an_error_is_caught(pools, topo_name, failure):
     """No silent pairing of different calls, no process aborted by gloo:
     * validation: a rank that failed dispatch's checks and went on meets its peers at another
-      dispatch number (ValueError on both; the ranks stay apart, the peer then times out);
+      dispatch number (ValueError on both; the ranks stay apart, so the topology then refuses
+      calls: RuntimeError without a collective);
     * experts / combine_check: a rank that raised between dispatch and combine takes its part
       in the combine without a result: its peer raises RuntimeError naming it, the next call
       works on both;
@@ -254,14 +255,15 @@ def test_a_rank_that_goes_on_after_an_error_is_caught(pools, topo_name, failure)
         assert r1[1][0] == "TypeError"
         for typ, msg in (r0[1], r1[2]):
             assert typ == "ValueError" and "the ranks are out of step" in msg, msg
-        assert r0[2][0] == "CollectiveError"  # (rank 1 made no fourth call)
+        # the ranks cannot get back in step: rank 0's third call raises without a collective
+        assert r0[2][0] == "RuntimeError" and "out of step" in r0[2][1], r0[2]
         return
     if failure == "experts_everywhere":
         assert r0[1] == r1[1] == ("RuntimeError", "planted expert failure")
     else:
         assert r1[1][0] == ("RuntimeError" if failure == "experts" else "TypeError"), r1[1]
         assert r0[1][0] == "CallAbandoned" and "rank" in r0[1][1] and (
-            "left dispatch #2 without its combine" in r0[1][1]), r0[1]
+            "left dispatch #2 " in r0[1][1] and "without its combine" in r0[1][1]), r0[1]
     assert r0[2] == r1[2] == "ok"
 
 
@@ -607,13 +609,15 @@ def test_dp_ranks_with_different_rows_raise_instead_of_aborting(pools, topo_name
 
 
 def w_tp_different_tokens(rank, world, what):
-    """tp with rank 1 passing other tokens (3 more, or a wider hidden) than rank 0."""
+    """tp with rank 1 passing other tokens (3 more, or a wider hidden, or top_k 1, or bf16
+    rows) than rank 0."""
     topo = make_topology("tp", E, backend="reference", timeout_s=10)
     T = 6 if (what == "tokens" and rank == 1) else 3
     H = 16 if (what == "hidden" and rank == 1) else 8
-    x = torch.randn(T, H)
-    ids = torch.tensor([[0, 5]] * T, dtype=torch.int32)
-    res = topo.dispatch(x, ids, torch.rand(T, 2))
+    k = 1 if (what == "top_k" and rank == 1) else 2
+    x = torch.randn(T, H).to(torch.bfloat16 if (what == "dtype" and rank == 1) else torch.float32)
+    ids = torch.tensor([[0, 5][:k]] * T, dtype=torch.int32)
+    res = topo.dispatch(x, ids, torch.rand(T, k))
     try:
         topo.combine(res.expert_x, res)
         return None
@@ -621,12 +625,15 @@ def w_tp_different_tokens(rank, world, what):
         return str(e)
 
 
-@pytest.mark.parametrize("what", ["tokens", "hidden"])
+@pytest.mark.parametrize("what", ["tokens", "hidden", "top_k", "dtype"])
 def test_tp_ranks_with_different_tokens_raise_instead_of_aborting(pools, what):
-    """Before the check, gloo aborted rank 1's process (SIGABRT) in the combine's all-reduce."""
+    """Before the check, gloo aborted rank 1's process (SIGABRT) in the combine's all-reduce
+    (other T or H), or the ranks summed partial results of another top_k or dtype silently."""
+    want = {"tokens": "(6, 8, 2, torch.float32)", "hidden": "(3, 16, 2, torch.float32)",
+            "top_k": "(3, 8, 1, torch.float32)", "dtype": "(3, 8, 2, torch.bfloat16)"}[what]
     for rank, msg in enumerate(pools(2).run(w_tp_different_tokens, what, timeout_s=30)):
         assert msg is not None and "same tokens" in msg and f"rank {rank}" in msg, msg
-        assert ("(6, 8)" if what == "tokens" else "(3, 16)") in msg, msg
+        assert want in msg and "(3, 8, 2, torch.float32)" in msg, msg
 
 
 def test_make_topology_rejects_bad_arguments():
@@ -729,3 +736,89 @@ def w_fsdp2_mixed_precision(rank, world, seed, nested):
 @pytest.mark.parametrize("nested", [False, True])
 def test_fsdp2_mixed_precision_runs_the_layer_in_bf16(pools, nested):
     assert pools(2).run(w_fsdp2_mixed_precision, 0, nested) == [(torch.bfloat16, True, True, True)] * 2
+
+
+def w_shared_topology_skip(rank, world, topo_name):
+    """Two MoELayers share one topology (as swap_moe_layers(topology=...) makes them). Call 1:
+    both layers on both ranks. Call 2: rank 1 skips layer 0 (it raised before it), so its
+    layer 1 meets rank 0's layer 0 at the same dispatch number. Then one more call on each."""
+    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime.comm import new_group
+    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                    dtype=torch.float32)
+    torch.manual_seed(0)
+    topo = make_topology(topo_name, E, group=new_group(), backend="reference", timeout_s=5)
+    layers = [MoELayer(cfg, topology=topo, backend="reference") for _ in range(2)]
+    x = torch.randn(3, 8)
+    out = []
+    for call in (1, 2, 3):
+        try:
+            with torch.no_grad():
+                for i, layer in enumerate(layers):
+                    if not (call == 2 and rank == 1 and i == 0):
+                        layer(x)
+            out.append("ok")
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+@pytest.mark.parametrize("topo_name", ["tp", "dp_nvlink"])
+def test_layers_sharing_a_topology_out_of_step_raise_on_every_rank(pools, topo_name):
+    """Before the layer ids, the dispatch numbers matched and the ranks exchanged rows of
+    different layers silently (wrong outputs, no error)."""
+    for r in pools(2).run(w_shared_topology_skip, topo_name, timeout_s=60):
+        assert r[0] == "ok", r
+        typ, msg = r[1]
+        assert typ == "ValueError" and "out of step" in msg and "layer 0" in msg and (
+            "layer 1" in msg) and "Build new topologies" in msg, r[1]
+        assert r[2][0] == "RuntimeError" and "out of step" in r[2][1], r[2]
+
+
+def w_expert_weight_forms(rank, world):
+    from moe_runtime import MoEConfig, MoELayer
+    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                    dtype=torch.float32)
+    layer = MoELayer(cfg, topology="dp_p2p", backend="reference")
+    full_gu, full_d = torch.randn(E, 8, 8), torch.randn(E, 8, 4)
+    local = slice(rank * E // 2, (rank + 1) * E // 2)
+    msgs = []
+    for gu, d in ((full_gu, full_d[local]), (full_gu[local], full_d), (full_gu[:3], full_d[:3])):
+        try:
+            layer.load_expert_weights(gu, d)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    layer.load_expert_weights(full_gu, full_d)  # both full: this rank's views
+    same = layer.experts.gate_up_proj.data_ptr() == full_gu[local].data_ptr()
+    layer.load_expert_weights(full_gu[local].clone(), full_d[local].clone())  # both local
+    return msgs, same
+
+
+def test_load_expert_weights_takes_one_form_for_both_tensors(pools):
+    """A full gate_up with a local down fit rank 0 (its slice starts at 0) and not rank 1:
+    the ranks went different ways; now every rank refuses it, naming what was passed."""
+    for rank, (msgs, same) in enumerate(pools(2).run(w_expert_weight_forms, timeout_s=30)):
+        assert same
+        for m in msgs:
+            assert m is not None and "both hold all 8 experts" in m and f"{4 * rank}..{4 * rank + 3}" in m, m
+        assert "got gate_up_proj (8, 8, 8) and down_proj (4, 8, 4)" in msgs[0], msgs[0]
+
+
+def w_not_a_member(rank, world):
+    import torch.distributed as dist
+    g = dist.new_group([0])
+    if rank == 0:
+        return make_topology("dp_p2p", E, group=g, backend="reference").world_size
+    try:
+        make_topology("dp_p2p", E, group=g, backend="reference")
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_group_without_this_rank_is_named(pools):
+    """torch gives non-members an int placeholder: the error said 'group must be a
+    ProcessGroup ..., got int'."""
+    r0, r1 = pools(2).run(w_not_a_member, timeout_s=30)
+    assert r0 == 1
+    assert "rank 1" in r1 and "not a member" in r1, r1

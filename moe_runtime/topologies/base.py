@@ -83,19 +83,22 @@ class Topology(abc.ABC):
 
     # -- the contract -------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 *, check_values: bool = True) -> DispatchResult:
+                 *, check_values: bool = True, layer: int = 0) -> DispatchResult:
         """Validate, then move token rows to their experts (see the module docstring).
 
         check_values=False skips the host read of the ids (what MoELayer does: its router's ids
         are valid by construction); the caller then guarantees ids in [0, E), distinct per
         token: other ids give unspecified results (picks dropped, or an error from a later step).
+        layer: which of the layers sharing this topology calls (`register_layer`; MoELayer
+        passes its own): the multi-rank reference backends compare it across ranks, so ranks
+        at different layers of one shared topology raise instead of exchanging rows.
 
         Raises:
             TypeError: wrong dtypes (x float32/bf16/fp16; topk_ids int32; topk_weights float32).
             ValueError: wrong shapes or devices; with check_values, expert ids outside [0, E)
                 or repeated within a token (the check reads the ids on the host).
         """
-        self._count_call()
+        self._count_call(layer)
         validate_routing(x, topk_ids, topk_weights, self.num_experts, check_values=check_values)
         self._before_dispatch(x.device)
         try:
@@ -152,8 +155,17 @@ class Topology(abc.ABC):
         """A collective failed (or was interrupted) on this rank: multi-rank topologies refuse
         further calls (GroupTopology)."""
 
-    def _count_call(self) -> None:
-        """Before anything else in dispatch (multi-rank: GroupTopology numbers the calls)."""
+    def _count_call(self, layer: int) -> None:
+        """Before anything else in dispatch (multi-rank: GroupTopology numbers the calls and
+        keeps the calling layer's id)."""
+
+    def register_layer(self) -> int:
+        """A new id for a layer that will call this topology (MoELayer's constructor calls it):
+        0, 1, 2, ... in construction order, which must be the same on every rank (it is for
+        swap_moe_layers and for code that builds its layers in a fixed order)."""
+        n = self.__dict__.get("_layers", 0)
+        self._layers = n + 1
+        return n
 
     def _before_dispatch(self, device: torch.device) -> None:
         """After validation, before `_dispatch` (multi-rank: GroupTopology)."""

@@ -17,17 +17,24 @@ DP protocol (each rank owns its own batch; T may differ per rank, including T = 
                  rows), so within an expert rows are ordered by (source rank, t, j)
     combine   1. gather expert_y rows back into received order, reverse all_to_all_single
               2. on the source rank: reference.combine with a slot map into the returned rows
-                 (weighted sum over k in fp32, j = 0..k-1, cast to expert_y.dtype), which is
-                 bit-identical to the `local` topology for row-wise experts.
+                 (weighted sum over k in fp32, j = 0..k-1, cast to expert_y.dtype): the local
+                 topology's arithmetic, so results equal it up to the experts' own rounding,
+                 which may depend on how many rows a GEMM gets (CPU fp32 blocking: ~1e-6).
 
 Every collective is bounded by the group's timeout (or `timeout_s`); a rank that fails input
 validation raises before its first collective, so its peers raise CollectiveError on timeout.
 Ranks out of step (one rank went on after an error, so its calls pair with other layers' or
 calls' on its peers) are caught where a header is exchanged: every topology numbers its
-dispatches, and the dp counts exchange and tp's combine check carry that number (ValueError on
-every rank instead of rows of another layer; the ranks stay apart: build new topologies).
-Not caught: the same number of calls made in another order (two models, or layers sharing one
-topology, run in another order on one rank), nor on the cute backends (no header).
+dispatches, every layer that shares one topology has an id (Topology.register_layer, in
+construction order), and the dp counts exchange and tp's combine check carry both (ValueError
+on every rank instead of rows of another layer; the ranks stay apart, so the topology then
+refuses further calls: build new topologies). A skipped call that lands on a topology's first
+call meets the peers' first-call check in another collective: both time out (CollectiveError).
+Not caught: the same number of calls made in another order by layers with their own
+topologies (two models run in another order on one rank); under dp, a combine or a dispatch
+made by one rank only (combining one result twice is allowed when every rank does it, so
+there is no local sign: its row exchange meets the peers' next collective and gloo / NCCL
+abort the process on the size mismatch); nor anything on the cute backends (no header).
 A rank that raised between a dispatch and its combine (e.g. in the experts, or in combine's
 checks) takes its part in that combine without a result (`abandon`; MoELayer does it): a
 header of kind "abandoned" (tp) or a status row per peer (dp), so its peers raise
@@ -242,8 +249,25 @@ class GroupTopology(Topology):
         own: a rank that skipped or repeated a call is out of step)."""
         return self.__dict__.get("_calls", 0)
 
-    def _count_call(self) -> None:
+    def _count_call(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer must be an int >= 0 (Topology.register_layer), got {layer!r}")
         self._calls = self.calls + 1
+        self._layer = layer
+
+    @property
+    def layer(self) -> int:
+        """The `layer` of the latest dispatch (Topology.dispatch)."""
+        return self.__dict__.get("_layer", 0)
+
+    def _out_of_step_error(self, mine: str, theirs: str) -> ValueError:
+        """The ValueError that every rank raises when the ranks are at different calls; this
+        topology then refuses further calls (the ranks cannot get back in step)."""
+        err = ValueError(f"{self.name} rank {self.rank}: the ranks are out of step: {mine}, "
+                         f"{theirs}; every rank must make the same calls in the same order. "
+                         "Build new topologies (new layers) on every rank to go on")
+        self._mark_out_of_step(err)
+        return err
 
     def _before_dispatch(self, device: torch.device) -> None:
         """The first call checks that every rank built the same topology (`_check_same_topology`,
@@ -258,10 +282,10 @@ class GroupTopology(Topology):
         self._check_in_step()
 
     def _send_header(self, row: Sequence[int], device: torch.device, step: str) -> list[list[int]]:
-        """Every rank's `row` ([kind, a, b, c], HEADER_KINDS) through a fixed-size all-reduce
-        (one size for every such check, so checks out of step meet each other, not a
-        collective of another size)."""
-        mine = torch.zeros(self.world_size, 4, dtype=torch.int64)
+        """Every rank's `row` (HEADER_WIDTH ints: kind (HEADER_KINDS), then per kind, see
+        `_header_text`) through a fixed-size all-reduce (one size for every such check, so
+        checks out of step meet each other, not a collective of another size)."""
+        mine = torch.zeros(self.world_size, HEADER_WIDTH, dtype=torch.int64)
         mine[self.rank] = torch.tensor(list(row))
         return all_reduce_sum(mine.to(device), group=self.group, timeout_s=self.timeout_s,
                               step=self._step(step)).tolist()
@@ -275,19 +299,18 @@ class GroupTopology(Topology):
             ValueError: on every rank, when another rank is at a check of another kind.
         """
         every = self._send_header(row, device, step)
+        same_call = lambda e: e[CALL:] == list(row[CALL:])  # noqa: E731 (dispatch number, layer)
         gone = next((r for r, e in enumerate(every) if e[0] == HEADER_KINDS["abandoned"]
-                     and row[0] == HEADER_KINDS["combine"] and e[3] == row[3]), None)
+                     and row[0] == HEADER_KINDS["combine"] and same_call(e)), None)
         if gone is not None:  # (the same call: else out of step, below)
             raise CallAbandoned(f"{self.name} rank {self.rank}: rank {gone} left dispatch "
-                               f"#{every[gone][3]} without its combine (it raised; see its "
-                               "error): this call has no result")
+                               f"#{every[gone][CALL]} of layer {every[gone][CALL + 1]} without its "
+                               "combine (it raised; see its error): this call has no result")
         other = next((r for r, e in enumerate(every) if e[0] != row[0] or (
-            row[0] == HEADER_KINDS["combine"] and e[3] != row[3])), None)
+            row[0] == HEADER_KINDS["combine"] and not same_call(e))), None)
         if other is not None:
-            raise ValueError(f"{self.name} rank {self.rank}: the ranks are out of step: this rank "
-                             f"is at {_header_text(every[self.rank])}, rank {other} at "
-                             f"{_header_text(every[other])}; every rank must make the same calls "
-                             "in the same order")
+            raise self._out_of_step_error(f"this rank is at {_header_text(every[self.rank])}",
+                                          f"rank {other} at {_header_text(every[other])}")
         return every
 
     def _check_same_topology(self, device: torch.device) -> None:
@@ -299,15 +322,17 @@ class GroupTopology(Topology):
             ValueError: on every rank, naming each rank's (topology, num_experts).
         """
         code = _TOPOLOGY_CODES.get(self.name, len(_TOPOLOGY_CODES))
-        every = self._exchange_header((HEADER_KINDS["topology"], code, self.num_experts, 0),
-                                      device, "topology check")
+        row = (HEADER_KINDS["topology"], code, self.num_experts) + (0,) * (HEADER_WIDTH - 3)
+        every = self._exchange_header(row, device, "topology check")
         if any(r != every[self.rank] for r in every):
             raise ValueError(f"{self.name} rank {self.rank}: every rank must build the same "
                              "topology; (topology, num_experts) per rank: "
-                             f"{[(_topology_name(n), e) for _, n, e, _ in every]}")
+                             f"{[(_topology_name(e[1]), e[2]) for e in every]}")
 
 
 HEADER_KINDS = {"topology": 1, "combine": 2, "abandoned": 3}  # _send_header's first column
+HEADER_WIDTH = 7  # kind, 4 values of the kind, dispatch number, layer (`_header_text`)
+CALL = HEADER_WIDTH - 2  # column of the dispatch number (the layer follows it)
 _TOPOLOGY_CODES = {"tp": 0, "dp_nvlink": 1, "dp_p2p": 2}
 
 
@@ -317,11 +342,14 @@ def _topology_name(code: int) -> str:
 
 
 def _header_text(row: Sequence[int]) -> str:
-    kind, a, b, c = row
+    """A header row in words: [topology, code, num_experts, 0...] or [combine / abandoned, T,
+    H, top_k, dtype code, dispatch number, layer]."""
+    kind, a, b, c, d, call, layer = row
     if kind == HEADER_KINDS["topology"]:
         return f"the first call's topology check ({_topology_name(a)}, {b} experts)"
     if kind in (HEADER_KINDS["combine"], HEADER_KINDS["abandoned"]):
-        return f"the combine of dispatch #{c} (T={a}, H={b})"
+        return (f"the combine of dispatch #{call} of layer {layer} (T={a}, H={b}, k={c}, "
+                f"{_DTYPES[d] if 0 <= d < len(_DTYPES) else d})")
     return f"an unknown check {list(row)}"
 
 
@@ -349,25 +377,25 @@ class DataParallelTopology(GroupTopology):
         # the row all-to-all abort the process inside gloo/NCCL instead of raising; so does
         # the dispatch number: a peer at another call (out of step) would send its rows to
         # another layer's experts.
-        meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype], self.calls], device=x.device)
-        send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 3)], 1).flatten()
+        meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype], self.calls, self.layer],
+                            device=x.device)
+        send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 4)], 1).flatten()
         recv = torch.empty_like(send)
         self._exchanged = True
         all_to_all_single(recv, send, group=self.group,
                           step=self._step("dispatch counts"), timeout_s=self.timeout_s)
-        recv = recv.view(W, E_local + 3)
+        recv = recv.view(W, E_local + 4)
         peers_meta = recv[:, E_local:].tolist()  # (one host read for both checks)
-        if any(c != self.calls for _, _, c in peers_meta):
-            raise ValueError(
-                f"{self.name} rank {self.rank}: the ranks are out of step: this rank is at "
-                f"dispatch #{self.calls}, the ranks at {[c for *_, c in peers_meta]}; every rank "
-                "must make the same calls in the same order")
+        if any((c, l) != (self.calls, self.layer) for _, _, c, l in peers_meta):
+            raise self._out_of_step_error(
+                f"this rank is at dispatch #{self.calls} of layer {self.layer}",
+                f"the ranks at {[f'#{c} of layer {l}' for *_, c, l in peers_meta]}")
         mine = [x.shape[1], _DTYPE_CODES[x.dtype]]
-        if any([h, d] != mine for h, d, _ in peers_meta):
+        if any([h, d] != mine for h, d, *_ in peers_meta):
             raise ValueError(
                 f"{self.name} rank {self.rank}: every rank must dispatch rows of the same hidden "
                 f"size and dtype; this rank has (H={x.shape[1]}, {x.dtype}), ranks sent "
-                f"{[(h, _DTYPES[d]) for h, d, _ in peers_meta]}")
+                f"{[(h, _DTYPES[d]) for h, d, *_ in peers_meta]}")
         send_splits = send_counts.view(W, E_local).sum(1).tolist()
         recv_counts = recv[:, :E_local]
         recv_splits = recv_counts.sum(1).tolist()
@@ -395,7 +423,8 @@ class DataParallelTopology(GroupTopology):
         return DispatchResult(expert_x, offsets, {
             "recv_slot": recv_slot.view(-1).long(), "send_splits": send_splits,
             "recv_splits": recv_splits, "token_slot": token_slot.view(T, k).to(torch.int32),
-            "topk_weights": topk_weights, "call": self.calls, "row_pos": row_pos,
+            "topk_weights": topk_weights, "call": self.calls, "layer": self.layer,
+            "row_pos": row_pos,
             "send_status": send_status, "back_status": back_status})
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from ..comm import all_reduce_sum
 from ..kernels import get_ops, reference
 from .base import DispatchResult
-from .distributed import HEADER_KINDS, PeerBufferTopology
+from .distributed import _DTYPE_CODES, _DTYPES, HEADER_KINDS, PeerBufferTopology
 
 
 class TPTopology(PeerBufferTopology):
@@ -63,7 +63,8 @@ class TPTopology(PeerBufferTopology):
         T, k = topk_ids.shape
         expected = -(-T * k // self.world_size) + self.num_local_experts * (self.align - 1)
         return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights,
-                                                  "peer_buffers": bufs, "call": self.calls},
+                                                  "peer_buffers": bufs, "call": self.calls,
+                                                  "layer": self.layer},
                               expected_rows=expected)
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
@@ -75,32 +76,36 @@ class TPTopology(PeerBufferTopology):
                                          h["topk_weights"], **self._kernel_bounds())[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
         h["settled"] = True
-        self._check_same_tokens(partial, h["call"])
+        self._check_same_tokens(expert_y, h)
         all_reduce_sum(partial, group=self.group, step=self._step("combine all_reduce"),
                        timeout_s=self.timeout_s)
         return partial.to(expert_y.dtype)
 
     def _release_peers(self, result: DispatchResult) -> None:
-        T, H = result.handle["token_slot"].shape[0], result.expert_x.shape[1]
-        self._send_header((HEADER_KINDS["abandoned"], T, H, result.handle["call"]),
+        self._send_header(_combine_row("abandoned", result.expert_x, result.handle),
                           result.expert_x.device, "combine shapes")
 
-    def _check_same_tokens(self, partial: torch.Tensor, call: int) -> None:
-        """Reference backend: every rank's (T, H) and dispatch number `call` through a
-        fixed-size all-reduce (GroupTopology._exchange_header) before the [T, H] one, whose
+    def _check_same_tokens(self, expert_y: torch.Tensor, handle: dict) -> None:
+        """Reference backend: every rank's (T, H, k, dtype), dispatch number and layer through
+        a fixed-size all-reduce (GroupTopology._exchange_header) before the [T, H] one, whose
         mismatched sizes would abort the process (gloo) or hang (NCCL), and whose partial sums
-        from another call or layer would be added silently.
+        from another call, layer, top-k or dtype would be added silently.
 
         Raises:
-            ValueError: on every rank, naming each rank's (tokens, hidden) or dispatch number."""
-        T, H = partial.shape
-        every = self._exchange_header((HEADER_KINDS["combine"], T, H, call), partial.device,
+            ValueError: on every rank, naming each rank's (tokens, hidden, top_k, dtype), or
+                its dispatch number and layer (out of step: the topology then refuses calls)."""
+        every = self._exchange_header(_combine_row("combine", expert_y, handle), expert_y.device,
                                       "combine shapes")
-        if any(c != call for *_, c in every):
-            raise ValueError(f"tp rank {self.rank}: the ranks are out of step: this rank combines "
-                             f"dispatch #{call}, the ranks {[c for *_, c in every]}; every rank "
-                             "must make the same calls in the same order")
-        per_rank = [(t, h) for _, t, h, _ in every]
+        per_rank = [tuple(e[1:5]) for e in every]
         if len(set(per_rank)) > 1:
-            raise ValueError(f"tp rank {self.rank}: every rank must pass the same tokens; "
-                             f"(tokens, hidden) per rank {per_rank}")
+            raise ValueError(f"tp rank {self.rank}: every rank must pass the same tokens with the "
+                             "same top_k and dtype; (tokens, hidden, top_k, dtype) per rank "
+                             f"{[(t, h, k, _DTYPES[d]) for t, h, k, d in per_rank]}")
+
+
+def _combine_row(kind: str, rows: torch.Tensor, handle: dict) -> tuple[int, ...]:
+    """The combine header (GroupTopology._send_header) of a tp call: kind, T, H (rows' width),
+    top_k, rows' dtype code, dispatch number, layer."""
+    T, k = handle["token_slot"].shape
+    return (HEADER_KINDS[kind], T, rows.shape[1], k, _DTYPE_CODES[rows.dtype], handle["call"],
+            handle["layer"])
