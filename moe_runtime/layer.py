@@ -96,7 +96,6 @@ class MoELayer(nn.Module):
         if topology.num_experts != config.num_experts:
             raise ValueError(f"topology has {topology.num_experts} experts, config {config.num_experts}")
         self.topology = topology
-        self._topology_layer = topology.register_layer()  # (its id among the topology's layers)
         self.router = Router(config, backend=backend, device=device)
         self.experts = Experts(topology.num_local_experts, config.hidden_size,
                                config.moe_intermediate_size, dtype=config.dtype, device=device,
@@ -107,6 +106,7 @@ class MoELayer(nn.Module):
                                               gated=config.shared_expert_gate, dtype=config.dtype,
                                               device=device)
         self.cuda_graphs: Optional[BucketedGraphs] = None
+        self._topology_layer = topology.register_layer()  # (last: a failed build takes no id)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -462,7 +462,7 @@ class MoELayer(nn.Module):
         """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""
         topk_ids, topk_weights = self.router(x)
         result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False,
-                                        layer=self._topology_layer)
+                                        layer=getattr(self, "_topology_layer", 0))
         hint = {} if result.expected_rows is None else {"expected_rows": result.expected_rows}
         try:
             expert_y = self.experts(result.expert_x, result.expert_offsets, **hint)

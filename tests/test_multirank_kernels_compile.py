@@ -54,9 +54,18 @@ def _decode_per_sm(arch):
     return sorted({ps.cooperative_ctas_per_sm(n, major) for n in (1, ps.WIDE_DECODE_ITEMS)})
 
 
-def test_decode_takes_two_ctas_per_sm_on_sm90_only_for_many_items():
+def test_decode_takes_two_ctas_per_sm_on_sm90_only_for_many_items(monkeypatch):
     assert _decode_per_sm("sm_90a") == [1, 2] and _decode_per_sm("sm_100a") == [1]
     assert ps.cooperative_ctas_per_sm(ps.WIDE_DECODE_ITEMS - 1, 9) == 1
+    monkeypatch.setattr(ps, "sm_count", lambda: SMS)
+    for major, wide in ((9, 2), (10, 1)):
+        monkeypatch.setattr(ps, "device_major", lambda major=major: major)
+        assert ps.ctas_per_rank(1, True, 8) == SMS  # few items: one per SM
+        assert ps.ctas_per_rank(1, True, ps.WIDE_DECODE_ITEMS) == wide * SMS
+        assert ps.ctas_per_rank(2, True, 4096) == wide * SMS // 2  # W = 2 virtual ranks
+        assert ps.ctas_per_rank(1, False, 4096) == 4 * SMS  # prefill launches
+        assert ps.ctas_per_rank(1, True) == SMS  # the all-reduce passes no items
+        assert ps.decode_grids(2) == sorted({SMS // 2, wide * SMS // 2})
 
 
 def _check(f, arch, expect, forbid=(GENERIC, DEPOT, TIMER)):

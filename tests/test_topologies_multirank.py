@@ -763,6 +763,56 @@ def w_shared_topology_skip(rank, world, topo_name):
     return out
 
 
+def w_own_topologies_skip(rank, world, topo_name, fresh):
+    """Three MoELayers with their own topologies (the default, as MoELayer(topology=<name>),
+    swap_moe_layers and the engine build them). Call 1: all on both ranks; call 2: rank 1
+    skips layer 0, so its layer 1 meets rank 0's layer 0 at the same dispatch number of each
+    topology. Call 3 on the same layers, or (fresh) on new layers with new topologies."""
+    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime.comm import new_group
+    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                    dtype=torch.float32)
+    group = new_group()
+
+    def build():
+        torch.manual_seed(0)
+        return [MoELayer(cfg, topology=make_topology(topo_name, E, group=group,
+                                                     backend="reference", timeout_s=5),
+                         backend="reference") for _ in range(3)]
+    layers, x, out = build(), torch.randn(3, 8), []
+    for call in (1, 2, 3):
+        if call == 3 and fresh:
+            layers = build()
+        try:
+            with torch.no_grad():
+                ys = [layer(x) for i, layer in enumerate(layers)
+                      if not (call == 2 and rank == 1 and i == 0)]
+            out.append(("ok", ys[-1]))
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["same_layers", "new_layers"])
+@pytest.mark.parametrize("topo_name", ["tp", "dp_nvlink"])
+def test_layers_with_own_topologies_out_of_step_raise_on_every_rank(pools, topo_name, fresh):
+    """The reviewer's repro: every topology's numbers matched, so rows went to the wrong layer
+    on every later call, silently. Now ValueError on every rank; then every topology built
+    before refuses calls (no collective), and new layers on new topologies work again."""
+    r0, r1 = pools(2).run(w_own_topologies_skip, topo_name, fresh, timeout_s=60)
+    for r in (r0, r1):
+        assert r[0][0] == "ok", r
+        typ, msg = r[1]
+        assert typ == "ValueError" and "out of step" in msg and "of topology #" in msg and (
+            "Build new topologies" in msg), r[1]
+        if fresh:
+            assert r[2][0] == "ok", r[2]
+        else:
+            assert r[2][0] == "RuntimeError" and "out of step" in r[2][1], r[2]
+    if fresh and topo_name == "tp":  # same tokens and weights on both ranks
+        assert torch.equal(r0[2][1], r1[2][1]) and torch.equal(r0[0][1], r0[2][1])
+
+
 @pytest.mark.parametrize("topo_name", ["tp", "dp_nvlink"])
 def test_layers_sharing_a_topology_out_of_step_raise_on_every_rank(pools, topo_name):
     """Before the layer ids, the dispatch numbers matched and the ranks exchanged rows of
@@ -770,8 +820,51 @@ def test_layers_sharing_a_topology_out_of_step_raise_on_every_rank(pools, topo_n
     for r in pools(2).run(w_shared_topology_skip, topo_name, timeout_s=60):
         assert r[0] == "ok", r
         typ, msg = r[1]
-        assert typ == "ValueError" and "out of step" in msg and "layer 0" in msg and (
-            "layer 1" in msg) and "Build new topologies" in msg, r[1]
+        assert typ == "ValueError" and "out of step" in msg and "of layer 0 " in msg and (
+            "of layer 1 " in msg) and "Build new topologies" in msg, r[1]
+        assert r[2][0] == "RuntimeError" and "out of step" in r[2][1], r[2]
+
+
+def w_abandon_out_of_step(rank, world):
+    """tp, one topology shared by two layers; call 2: rank 1 skips layer 0 and rank 0's layer 0
+    raises in its experts (so it sends an "abandoned" header). Then call 3."""
+    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime.comm import new_group
+    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                    dtype=torch.float32)
+    torch.manual_seed(0)
+    topo = make_topology("tp", E, group=new_group(), backend="reference", timeout_s=5)
+    layers = [MoELayer(cfg, topology=topo, backend="reference") for _ in range(2)]
+
+    def fail(module, args):
+        raise RuntimeError("planted expert failure")
+    x, out = torch.randn(3, 8), []
+    for call in (1, 2, 3):
+        hook = layers[0].experts.register_forward_pre_hook(fail) if (
+            call == 2 and rank == 0) else None
+        try:
+            with torch.no_grad():
+                for i, layer in enumerate(layers):
+                    if not (call == 2 and rank == 1 and i == 0):
+                        layer(x)
+            out.append("ok")
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+        finally:
+            if hook is not None:
+                hook.remove()
+    return out
+
+
+def test_an_abandoning_rank_out_of_step_stops_too(pools):
+    """Its peer raised out of step at the abandoned header and refused further calls, while
+    the abandoning rank went on into a collective nobody joined (CollectiveError at the
+    timeout); now both refuse at once."""
+    r0, r1 = pools(2).run(w_abandon_out_of_step, timeout_s=60)
+    assert r0[0] == r1[0] == "ok"
+    assert r0[1] == ("RuntimeError", "planted expert failure"), r0[1]
+    assert r1[1][0] == "ValueError" and "out of step" in r1[1][1], r1[1]
+    for r in (r0, r1):
         assert r[2][0] == "RuntimeError" and "out of step" in r[2][1], r[2]
 
 

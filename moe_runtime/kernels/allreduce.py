@@ -37,7 +37,7 @@ ranks: the tp topology's GPU test (tests/gpu/test_topologies_cute_gpu.py) runs t
 one GPU over CUDA IPC; tests/gpu/test_multi_gpu.py one process per GPU (passed on 2 H200s).
 `benchmarks/multirank_virtual.py --real` there (2026-11-30, the ranks' timed calls started
 together by an NCCL rendezvous; earlier numbers without it carried the ranks' start skew),
-[128, 7168] bf16 per rank (1.8 MB): one-shot 21 us, two-shot 22 us, NCCL all_reduce 31 us;
+[128, 7168] bf16 per rank (1.8 MB): one-shot 19-21 us, two-shot 22 us, NCCL all_reduce 31 us;
 [4096, 7168]: 194 / 228 us, NCCL 225 us; [1, 7168]: 18 / 23 us, NCCL 13 us.
 """
 from __future__ import annotations

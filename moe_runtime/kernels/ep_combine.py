@@ -9,7 +9,8 @@ With the dispatch of epoch e (ep_dispatch.py) and expert outputs expert_y_r [>= 
           chunk] >= e, then y[t] = sum_j w[t, j] * ret_s[t*k+j] in fp32, j = 0..k-1, cast once
           (the order of reference.combine).
 Launches: "decode" (after a decode dispatch) is ONE cooperative launch, SEND then REDUCE, with
-the dispatch's per-token chunks and one CTA per SM in all: a CTA's REDUCE waits only on flags,
+the dispatch's per-token chunks and one or two CTAs per SM in all (peer_sync.
+cooperative_ctas_per_sm): a CTA's REDUCE waits only on flags,
 so no grid barrier is needed between the phases. "prefill" is two launches (SEND, REDUCE) with
 per-chunk flags and a grid >> SMs. Waits are bounded; a timeout raises PeerTimeoutError naming
 the rank, the phase and the expert owner waited for.
@@ -32,8 +33,8 @@ from cutlass import Constexpr, Float32, Int32, Int64
 from ..comm import peer_buffers as pb
 from .ep_dispatch import E_BAD_ID, EPDispatchHandle, row_addrs
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, chunk_of,
-                        compile_tvm, copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at,
-                        in_range, vec_at, vec_elems, wait_bounds, wait_ge)
+                        compile_tvm, copy_row, ctas_per_rank, decode_grids, fake_rows,
+                        fake_stream, i32_at, in_range, vec_at, vec_elems, wait_bounds, wait_ge)
 
 PH_CSEND, PH_CREDUCE = 1, 2
 PH_CALL = PH_CSEND | PH_CREDUCE  # the decode combine: one launch
@@ -197,9 +198,12 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
     dname = str(s.dtype).removeprefix("torch.")
     decode = handle.mode == "decode"
     cpr = ctas_per_rank(bufs.n_local, decode, max(handle.tokens) * s.top_k)
-    launches = [compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
-                                handle.chunk, cpr, bufs.n_local, dname)
-                for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE))]  # compiled first
+    grids = decode_grids(bufs.n_local) if decode else [cpr]  # (as ep_dispatch: all compiled)
+    compiled = {c: [compile_combine(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
+                                    handle.chunk, c, bufs.n_local, dname)
+                    for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE))]
+                for c in grids}
+    launches = compiled[cpr]  # (compiled before anything is launched)
     for f in launches:
         bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, spins)
     if check:

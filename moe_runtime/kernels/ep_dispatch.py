@@ -21,7 +21,8 @@ Protocol of one call with epoch e (rank s sending, rank r receiving; fields: pee
   so not deterministic): tests compare through the handle, as for reference.dispatch.
 
 Modes: "decode" = ONE cooperative launch, the phases separated by a rank-local grid barrier
-(CTAs of all virtual ranks co-resident: grid <= SMs); "prefill" = four launches (COUNT,
+(CTAs of all virtual ranks co-resident: one or two per SM, peer_sync.cooperative_ctas_per_sm);
+"prefill" = four launches (COUNT,
 PUBLISH, SEND, RECV), the kernel boundary being the barrier, grid >> SMs allowed.
 Every wait is bounded (a poll count, from timeout_s or max_spins); a timeout raises
 PeerTimeoutError naming the rank, the phase and the peer waited for.
@@ -57,8 +58,9 @@ bf16, symm_mem buffers; 2026-11-30, timed calls started together by an NCCL rend
 decode dispatch 28.6 us at 1 token per rank (NCCL's all_to_all_single of the same rows 12.8
 us, its all_reduce of one float ~21 us in the same timing), dispatch + combine 103 us at 128
 tokens per rank (decode mode; NCCL's two all_to_all_single 92 us; 96.7 us against NCCL's 96.1
-with two CTAs per SM, peer_sync.cooperative_ctas_per_sm) and 1919 us at 4096 (NCCL 1605 us). The same decode dispatch with W = 2 virtual ranks on one H200 takes 13 us at T = 1:
-about half of the real-rank time is the cross-GPU flag round trips. PUBLISH and RECV scan the
+with two CTAs per SM, peer_sync.cooperative_ctas_per_sm) and 1919 us at 4096 (NCCL 1605 us).
+The same decode dispatch with W = 2 virtual ranks on one H200 takes 13 us at T = 1: about half
+of the real-rank time is the cross-GPU flag round trips. PUBLISH and RECV scan the
 counts in shared memory (device_counts.shared_exclusive_scan) instead of a serial sum per
 thread (up to E_l dependent loads): W = 2 virtual, T = 1 / 8 15.0 / 16.3 -> 13.0 / 13.7 us.
 """
@@ -78,8 +80,8 @@ from cutlass import Constexpr, Int32, Int64
 from ..comm import peer_buffers as pb
 from .device_counts import round_up, shared_exclusive_scan
 from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
-                        copy_row, ctas_per_rank, fake_rows, fake_stream, i32_at, in_range,
-                        rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
+                        copy_row, ctas_per_rank, decode_grids, fake_rows, fake_stream, i32_at,
+                        in_range, rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
 
 PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV = 1, 2, 4, 8
 PH_ALL = PH_COUNT | PH_PUBLISH | PH_SEND | PH_RECV
@@ -404,10 +406,14 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     spins = wait_bounds(timeout_s, max_spins)
     dname = str(s.dtype).removeprefix("torch.")
     cpr = ctas_per_rank(bufs.n_local, mode == "decode", max(tokens) * s.top_k)
-    # every launch compiled before the epoch advances: a compile error changes no protocol state
-    launches = [compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts, chunk,
-                                 cpr, bufs.n_local, s.align, dname)
-                for ph in ((PH_ALL,) if mode == "decode" else PREFILL_PHASES)]
+    # every launch compiled before the epoch advances: a compile error changes no protocol
+    # state; in decode mode both grids (decode_grids), so a later, larger batch compiles nothing
+    grids = decode_grids(bufs.n_local) if mode == "decode" else [cpr]
+    compiled = {c: [compile_dispatch(ph, s.hidden, s.top_k, s.world_size, s.num_local_experts,
+                                     chunk, c, bufs.n_local, s.align, dname)
+                    for ph in ((PH_ALL,) if mode == "decode" else PREFILL_PHASES)]
+                for c in grids}
+    launches = compiled[cpr]
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     bufs.set_args({pb.F_ARG_X: row_addrs(x, tokens), pb.F_ARG_IDS: row_addrs(topk_ids, tokens),
                    pb.F_ARG_T: tokens})

@@ -282,8 +282,18 @@ def cooperative_ctas_per_sm(items: int, arch_major: int) -> int:
     per SM are not co-resident there (cudaErrorCooperativeLaunchTooLarge). Between 2 H200s
     (one rank per GPU, benchmarks/multirank_virtual.py --real) the NVLink round trips dominate:
     T = 128 dispatch 63.6 -> 59.5 us, dispatch + combine 103.0 -> 96.7. Other architectures
-    keep one per SM: co-residency depends on the kernels' register use, not measured there."""
+    keep one per SM: co-residency depends on the kernels' register use, not measured there.
+    Two per SM were run for H 7168, k 8, E 256 (W = 2 / 4 / 8 virtual, 2 real ranks); the kernels'
+    registers and shared memory do not grow with H, k or E beyond the E-sized count arrays."""
     return 2 if arch_major == 9 and items >= WIDE_DECODE_ITEMS else 1
+
+
+def decode_grids(n_local: int) -> list[int]:
+    """Every CTAs-per-rank count a decode launch may take here (`ctas_per_rank` for few and for
+    many items). ep_dispatch and ep_combine compile all of them at their first decode call, so
+    that a rank whose batch grows never compiles while its peers' kernels wait for it (those
+    waits are bounded by timeout_s)."""
+    return sorted({ctas_per_rank(n_local, True, n) for n in (0, WIDE_DECODE_ITEMS)})
 
 
 def ctas_per_rank(n_local: int, cooperative: bool, items: int = 0) -> int:

@@ -71,10 +71,8 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
                          f"({', '.join(CUTE_TOPOLOGIES)}), not to topology {name!r}")
     if group is not None:
         import torch.distributed as dist
-        if group is dist.GroupMember.NON_GROUP_MEMBER:  # (new_group's answer to non-members)
-            raise ValueError(f"this process (rank {dist.get_rank()}) is not a member of `group`: "
-                             "torch.distributed.new_group returns a placeholder to the ranks it "
-                             "leaves out; build the topology only on the group's ranks")
+        from ..comm.groups import check_member
+        check_member(group)
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
                             f"{type(group).__name__}")

@@ -95,9 +95,12 @@ class Topology(abc.ABC):
 
         Raises:
             TypeError: wrong dtypes (x float32/bf16/fp16; topk_ids int32; topk_weights float32).
-            ValueError: wrong shapes or devices; with check_values, expert ids outside [0, E)
-                or repeated within a token (the check reads the ids on the host).
+            ValueError: wrong shapes or devices; a `layer` that is not an int >= 0; with
+                check_values, expert ids outside [0, E) or repeated within a token (the check
+                reads the ids on the host).
         """
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer must be an int >= 0 (Topology.register_layer), got {layer!r}")
         self._count_call(layer)
         validate_routing(x, topk_ids, topk_weights, self.num_experts, check_values=check_values)
         self._before_dispatch(x.device)
@@ -160,9 +163,10 @@ class Topology(abc.ABC):
         keeps the calling layer's id)."""
 
     def register_layer(self) -> int:
-        """A new id for a layer that will call this topology (MoELayer's constructor calls it):
-        0, 1, 2, ... in construction order, which must be the same on every rank (it is for
-        swap_moe_layers and for code that builds its layers in a fixed order)."""
+        """A new id for a layer that will call this topology (the last step of MoELayer's
+        constructor): 0, 1, 2, ... in construction order, which must be the same on every rank
+        (it is for swap_moe_layers, the engine and SPMD code that builds its layers in a fixed
+        order; a rank that builds one more layer on a shared topology is out of step)."""
         n = self.__dict__.get("_layers", 0)
         self._layers = n + 1
         return n

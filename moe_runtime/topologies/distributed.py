@@ -24,14 +24,16 @@ DP protocol (each rank owns its own batch; T may differ per rank, including T = 
 Every collective is bounded by the group's timeout (or `timeout_s`); a rank that fails input
 validation raises before its first collective, so its peers raise CollectiveError on timeout.
 Ranks out of step (one rank went on after an error, so its calls pair with other layers' or
-calls' on its peers) are caught where a header is exchanged: every topology numbers its
-dispatches, every layer that shares one topology has an id (Topology.register_layer, in
-construction order), and the dp counts exchange and tp's combine check carry both (ValueError
-on every rank instead of rows of another layer; the ranks stay apart, so the topology then
-refuses further calls: build new topologies). A skipped call that lands on a topology's first
-call meets the peers' first-call check in another collective: both time out (CollectiveError).
-Not caught: the same number of calls made in another order by layers with their own
-topologies (two models run in another order on one rank); under dp, a combine or a dispatch
+calls' on its peers) are caught where a header is exchanged. Every call has a site: the
+topology's id on its group (0, 1, ... in construction order per group), the calling layer's id
+on the topology (Topology.register_layer, in construction order; one topology may serve many
+layers) and the topology's dispatch number. The dp counts exchange and tp's combine check carry
+the site (ValueError on every rank instead of rows of another layer; the ranks stay apart, so
+the topology then refuses further calls: build new topologies and layers). Every rank must
+therefore build its topologies and layers in the same order (SPMD code, swap_moe_layers and the
+engine do). Ranks that meet in different collectives (e.g. one at a topology's first-call check,
+another in a dp counts exchange) time out instead (CollectiveError). Not caught: under dp, a
+combine or a dispatch
 made by one rank only (combining one result twice is allowed when every rank does it, so
 there is no local sign: its row exchange meets the peers' next collective and gloo / NCCL
 abort the process on the size mismatch); nor anything on the cute backends (no header).
@@ -188,6 +190,7 @@ class GroupTopology(Topology):
             _warn_alone(self.name)  # (world_size is then 1)
         super().__init__(num_experts, rank=rank, world_size=world_size, align=align)
         self.group = group
+        self.topology_id = _next_topology_id(group) if world_size > 1 else 0
 
     def _step(self, what: str) -> str:
         return f"{self.name}.{what}"
@@ -238,10 +241,14 @@ class GroupTopology(Topology):
 
     def _check_in_step(self) -> None:
         why = self.__dict__.get("_out_of_step")
+        key = _group_key(self.group) if self.world_size > 1 else None
+        if not why and key is not None:  # (topologies built before the group went apart)
+            built, why = _GROUPS_APART.get(key, (0, None))
+            why = why if self.topology_id < built else None
         if why:
             raise RuntimeError(
                 f"{self.name} rank {self.rank}: this topology is out of step with its peers "
-                f"({why}). Build new topologies on every rank to go on")
+                f"({why}). Build new topologies (new layers) on every rank to go on")
 
     @property
     def calls(self) -> int:
@@ -250,15 +257,14 @@ class GroupTopology(Topology):
         return self.__dict__.get("_calls", 0)
 
     def _count_call(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ValueError(f"layer must be an int >= 0 (Topology.register_layer), got {layer!r}")
         self._calls = self.calls + 1
         self._layer = layer
 
     @property
-    def layer(self) -> int:
-        """The `layer` of the latest dispatch (Topology.dispatch)."""
-        return self.__dict__.get("_layer", 0)
+    def site(self) -> tuple[int, int, int]:
+        """(topology_id, layer, dispatch number) of the latest dispatch: what the reference
+        backends compare across ranks (module docstring)."""
+        return (self.topology_id, self.__dict__.get("_layer", 0), self.calls)
 
     def _out_of_step_error(self, mine: str, theirs: str) -> ValueError:
         """The ValueError that every rank raises when the ranks are at different calls; this
@@ -266,8 +272,18 @@ class GroupTopology(Topology):
         err = ValueError(f"{self.name} rank {self.rank}: the ranks are out of step: {mine}, "
                          f"{theirs}; every rank must make the same calls in the same order. "
                          "Build new topologies (new layers) on every rank to go on")
-        self._mark_out_of_step(err)
+        self._mark_apart(err)
         return err
+
+    def _mark_apart(self, error: BaseException) -> None:
+        """The ranks paired calls of different sites (`site`): the order of calls on this
+        group has diverged, so every topology built on the group so far refuses further calls
+        (topologies built after this work: the ranks agree on their ids)."""
+        self._mark_out_of_step(error)
+        key = _group_key(self.group)
+        if key is not None:
+            _GROUPS_APART[key] = (_GROUP_TOPOLOGIES.get(key, 0),
+                                  f"the ranks went out of step on this process group: {error}")
 
     def _before_dispatch(self, device: torch.device) -> None:
         """The first call checks that every rank built the same topology (`_check_same_topology`,
@@ -299,18 +315,16 @@ class GroupTopology(Topology):
             ValueError: on every rank, when another rank is at a check of another kind.
         """
         every = self._send_header(row, device, step)
-        same_call = lambda e: e[CALL:] == list(row[CALL:])  # noqa: E731 (dispatch number, layer)
-        gone = next((r for r, e in enumerate(every) if e[0] == HEADER_KINDS["abandoned"]
-                     and row[0] == HEADER_KINDS["combine"] and same_call(e)), None)
-        if gone is not None:  # (the same call: else out of step, below)
-            raise CallAbandoned(f"{self.name} rank {self.rank}: rank {gone} left dispatch "
-                               f"#{every[gone][CALL]} of layer {every[gone][CALL + 1]} without its "
-                               "combine (it raised; see its error): this call has no result")
-        other = next((r for r, e in enumerate(every) if e[0] != row[0] or (
-            row[0] == HEADER_KINDS["combine"] and not same_call(e))), None)
+        other = _unpaired(row, every)  # (first: every rank then marks itself out of step)
         if other is not None:
             raise self._out_of_step_error(f"this rank is at {_header_text(every[self.rank])}",
                                           f"rank {other} at {_header_text(every[other])}")
+        gone = next((r for r, e in enumerate(every) if e[0] == HEADER_KINDS["abandoned"]
+                     and row[0] == HEADER_KINDS["combine"]), None)
+        if gone is not None:
+            raise CallAbandoned(f"{self.name} rank {self.rank}: rank {gone} left "
+                               f"{_site_text(*row[SITE:])} without its combine (it raised; see "
+                               "its error): this call has no result")
         return every
 
     def _check_same_topology(self, device: torch.device) -> None:
@@ -331,8 +345,39 @@ class GroupTopology(Topology):
 
 
 HEADER_KINDS = {"topology": 1, "combine": 2, "abandoned": 3}  # _send_header's first column
-HEADER_WIDTH = 7  # kind, 4 values of the kind, dispatch number, layer (`_header_text`)
-CALL = HEADER_WIDTH - 2  # column of the dispatch number (the layer follows it)
+HEADER_WIDTH = 8  # kind, 4 values of the kind, then the call's site (`_header_text`)
+SITE = HEADER_WIDTH - 3  # first column of the site: topology id, layer, dispatch number
+
+#: per process group, the multi-rank topologies built on it so far (their ids: GroupTopology)
+_GROUP_TOPOLOGIES: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+#: process groups whose ranks went out of step (GroupTopology._mark_apart): (topologies built
+#: on the group by then, why)
+_GROUPS_APART: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _group_key(group):
+    """The ProcessGroup that `group` names (None: the default one), or None without one."""
+    if group is None:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return group
+
+
+def _next_topology_id(group) -> int:
+    """The id of a new topology on `group` (None: the default group): 0, 1, 2, ... in
+    construction order per group, which is the same on every rank when every rank builds its
+    topologies (and layers) in the same order, as SPMD code, swap_moe_layers and the engine do."""
+    key = _group_key(group)
+    if key is None:
+        return 0
+    n = _GROUP_TOPOLOGIES.get(key, 0)
+    _GROUP_TOPOLOGIES[key] = n + 1
+    return n
+
+
+def _site_text(topology: int, layer: int, call: int) -> str:
+    return f"dispatch #{call} of layer {layer} of topology #{topology}"
 _TOPOLOGY_CODES = {"tp": 0, "dp_nvlink": 1, "dp_p2p": 2}
 
 
@@ -343,14 +388,27 @@ def _topology_name(code: int) -> str:
 
 def _header_text(row: Sequence[int]) -> str:
     """A header row in words: [topology, code, num_experts, 0...] or [combine / abandoned, T,
-    H, top_k, dtype code, dispatch number, layer]."""
-    kind, a, b, c, d, call, layer = row
+    H, top_k, dtype code, topology id, layer, dispatch number]."""
+    kind, a, b, c, d = row[:SITE]
     if kind == HEADER_KINDS["topology"]:
         return f"the first call's topology check ({_topology_name(a)}, {b} experts)"
     if kind in (HEADER_KINDS["combine"], HEADER_KINDS["abandoned"]):
-        return (f"the combine of dispatch #{call} of layer {layer} (T={a}, H={b}, k={c}, "
+        return (f"the combine of {_site_text(*row[SITE:])} (T={a}, H={b}, k={c}, "
                 f"{_DTYPES[d] if 0 <= d < len(_DTYPES) else d})")
     return f"an unknown check {list(row)}"
+
+
+def _unpaired(row: Sequence[int], every: Sequence[Sequence[int]]) -> Optional[int]:
+    """The first rank whose header cannot pair with `row` (another check, or a combine /
+    abandoned header of another site), or None."""
+    pairs = (HEADER_KINDS["combine"], HEADER_KINDS["abandoned"])
+    for r, e in enumerate(every):
+        if row[0] in pairs:
+            if e[0] not in pairs or list(e[SITE:]) != list(row[SITE:]):
+                return r
+        elif e[0] != row[0]:
+            return r
+    return None
 
 
 class DataParallelTopology(GroupTopology):
@@ -377,19 +435,19 @@ class DataParallelTopology(GroupTopology):
         # the row all-to-all abort the process inside gloo/NCCL instead of raising; so does
         # the dispatch number: a peer at another call (out of step) would send its rows to
         # another layer's experts.
-        meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype], self.calls, self.layer],
-                            device=x.device)
-        send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 4)], 1).flatten()
+        site = self.site
+        meta = torch.tensor([x.shape[1], _DTYPE_CODES[x.dtype], *site], device=x.device)
+        send = torch.cat([send_counts.view(W, E_local), meta.expand(W, 5)], 1).flatten()
         recv = torch.empty_like(send)
         self._exchanged = True
         all_to_all_single(recv, send, group=self.group,
                           step=self._step("dispatch counts"), timeout_s=self.timeout_s)
-        recv = recv.view(W, E_local + 4)
+        recv = recv.view(W, E_local + 5)
         peers_meta = recv[:, E_local:].tolist()  # (one host read for both checks)
-        if any((c, l) != (self.calls, self.layer) for _, _, c, l in peers_meta):
+        if any(tuple(m[2:]) != site for m in peers_meta):
             raise self._out_of_step_error(
-                f"this rank is at dispatch #{self.calls} of layer {self.layer}",
-                f"the ranks at {[f'#{c} of layer {l}' for *_, c, l in peers_meta]}")
+                f"this rank is at the {_site_text(*site)}",
+                f"the ranks at {[_site_text(*m[2:]) for m in peers_meta]}")
         mine = [x.shape[1], _DTYPE_CODES[x.dtype]]
         if any([h, d] != mine for h, d, *_ in peers_meta):
             raise ValueError(
@@ -423,7 +481,7 @@ class DataParallelTopology(GroupTopology):
         return DispatchResult(expert_x, offsets, {
             "recv_slot": recv_slot.view(-1).long(), "send_splits": send_splits,
             "recv_splits": recv_splits, "token_slot": token_slot.view(T, k).to(torch.int32),
-            "topk_weights": topk_weights, "call": self.calls, "layer": self.layer,
+            "topk_weights": topk_weights, "call": self.calls, "site": site,
             "row_pos": row_pos,
             "send_status": send_status, "back_status": back_status})
 

@@ -28,7 +28,8 @@ import torch
 from ..comm import all_reduce_sum
 from ..kernels import get_ops, reference
 from .base import DispatchResult
-from .distributed import _DTYPE_CODES, _DTYPES, HEADER_KINDS, PeerBufferTopology
+from .distributed import (_DTYPE_CODES, _DTYPES, HEADER_KINDS, PeerBufferTopology, _header_text,
+                          _unpaired)
 
 
 class TPTopology(PeerBufferTopology):
@@ -64,7 +65,7 @@ class TPTopology(PeerBufferTopology):
         expected = -(-T * k // self.world_size) + self.num_local_experts * (self.align - 1)
         return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights,
                                                   "peer_buffers": bufs, "call": self.calls,
-                                                  "layer": self.layer},
+                                                  "site": self.site},
                               expected_rows=expected)
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
@@ -82,8 +83,14 @@ class TPTopology(PeerBufferTopology):
         return partial.to(expert_y.dtype)
 
     def _release_peers(self, result: DispatchResult) -> None:
-        self._send_header(_combine_row("abandoned", result.expert_x, result.handle),
-                          result.expert_x.device, "combine shapes")
+        row = _combine_row("abandoned", result.expert_x, result.handle)
+        every = self._send_header(row, result.expert_x.device, "combine shapes")
+        other = _unpaired(row, every)
+        if other is not None:  # (the peers raise out of step at this header: so does this rank,
+            # at its next call, instead of waiting in a collective nobody joins)
+            self._mark_apart(ValueError(
+                f"the ranks were out of step at {_header_text(every[self.rank])}: rank {other} "
+                f"was at {_header_text(every[other])}"))
 
     def _check_same_tokens(self, expert_y: torch.Tensor, handle: dict) -> None:
         """Reference backend: every rank's (T, H, k, dtype), dispatch number and layer through
@@ -105,7 +112,6 @@ class TPTopology(PeerBufferTopology):
 
 def _combine_row(kind: str, rows: torch.Tensor, handle: dict) -> tuple[int, ...]:
     """The combine header (GroupTopology._send_header) of a tp call: kind, T, H (rows' width),
-    top_k, rows' dtype code, dispatch number, layer."""
+    top_k, rows' dtype code, then the dispatch's site (topology id, layer, dispatch number)."""
     T, k = handle["token_slot"].shape
-    return (HEADER_KINDS[kind], T, rows.shape[1], k, _DTYPE_CODES[rows.dtype], handle["call"],
-            handle["layer"])
+    return (HEADER_KINDS[kind], T, rows.shape[1], k, _DTYPE_CODES[rows.dtype], *handle["site"])
