@@ -738,10 +738,11 @@ def test_fsdp2_mixed_precision_runs_the_layer_in_bf16(pools, nested):
     assert pools(2).run(w_fsdp2_mixed_precision, 0, nested) == [(torch.bfloat16, True, True, True)] * 2
 
 
-def w_shared_topology_skip(rank, world, topo_name):
+def w_shared_topology_skip(rank, world, topo_name, rank0_fails=False):
     """Two MoELayers share one topology (as swap_moe_layers(topology=...) makes them). Call 1:
     both layers on both ranks. Call 2: rank 1 skips layer 0 (it raised before it), so its
-    layer 1 meets rank 0's layer 0 at the same dispatch number. Then one more call on each."""
+    layer 1 meets rank 0's layer 0 at the same dispatch number; with rank0_fails, rank 0's
+    layer 0 raises in its experts (it sends an "abandoned" header). Then one more call each."""
     from moe_runtime import MoEConfig, MoELayer
     from moe_runtime.comm import new_group
     cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
@@ -749,9 +750,13 @@ def w_shared_topology_skip(rank, world, topo_name):
     torch.manual_seed(0)
     topo = make_topology(topo_name, E, group=new_group(), backend="reference", timeout_s=5)
     layers = [MoELayer(cfg, topology=topo, backend="reference") for _ in range(2)]
-    x = torch.randn(3, 8)
-    out = []
+
+    def fail(module, args):
+        raise RuntimeError("planted expert failure")
+    x, out = torch.randn(3, 8), []
     for call in (1, 2, 3):
+        hook = layers[0].experts.register_forward_pre_hook(fail) if (
+            call == 2 and rank == 0 and rank0_fails) else None
         try:
             with torch.no_grad():
                 for i, layer in enumerate(layers):
@@ -760,6 +765,9 @@ def w_shared_topology_skip(rank, world, topo_name):
             out.append("ok")
         except Exception as e:
             out.append((type(e).__name__, str(e)))
+        finally:
+            if hook is not None:
+                hook.remove()
     return out
 
 
@@ -825,42 +833,11 @@ def test_layers_sharing_a_topology_out_of_step_raise_on_every_rank(pools, topo_n
         assert r[2][0] == "RuntimeError" and "out of step" in r[2][1], r[2]
 
 
-def w_abandon_out_of_step(rank, world):
-    """tp, one topology shared by two layers; call 2: rank 1 skips layer 0 and rank 0's layer 0
-    raises in its experts (so it sends an "abandoned" header). Then call 3."""
-    from moe_runtime import MoEConfig, MoELayer
-    from moe_runtime.comm import new_group
-    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
-                    dtype=torch.float32)
-    torch.manual_seed(0)
-    topo = make_topology("tp", E, group=new_group(), backend="reference", timeout_s=5)
-    layers = [MoELayer(cfg, topology=topo, backend="reference") for _ in range(2)]
-
-    def fail(module, args):
-        raise RuntimeError("planted expert failure")
-    x, out = torch.randn(3, 8), []
-    for call in (1, 2, 3):
-        hook = layers[0].experts.register_forward_pre_hook(fail) if (
-            call == 2 and rank == 0) else None
-        try:
-            with torch.no_grad():
-                for i, layer in enumerate(layers):
-                    if not (call == 2 and rank == 1 and i == 0):
-                        layer(x)
-            out.append("ok")
-        except Exception as e:
-            out.append((type(e).__name__, str(e)))
-        finally:
-            if hook is not None:
-                hook.remove()
-    return out
-
-
 def test_an_abandoning_rank_out_of_step_stops_too(pools):
     """Its peer raised out of step at the abandoned header and refused further calls, while
     the abandoning rank went on into a collective nobody joined (CollectiveError at the
     timeout); now both refuse at once."""
-    r0, r1 = pools(2).run(w_abandon_out_of_step, timeout_s=60)
+    r0, r1 = pools(2).run(w_shared_topology_skip, "tp", True, timeout_s=60)
     assert r0[0] == r1[0] == "ok"
     assert r0[1] == ("RuntimeError", "planted expert failure"), r0[1]
     assert r1[1][0] == "ValueError" and "out of step" in r1[1][1], r1[1]
