@@ -33,10 +33,10 @@ the topology then refuses further calls: build new topologies and layers). Every
 therefore build its topologies and layers in the same order (SPMD code, swap_moe_layers and the
 engine do). Ranks that meet in different collectives (e.g. one at a topology's first-call check,
 another in a dp counts exchange) time out instead (CollectiveError). Not caught: under dp, a
-combine or a dispatch
-made by one rank only (combining one result twice is allowed when every rank does it, so
-there is no local sign: its row exchange meets the peers' next collective and gloo / NCCL
-abort the process on the size mismatch); nor anything on the cute backends (no header).
+combine or a dispatch made by one rank only (combining one result twice is allowed when every
+rank does it, so there is no local sign: its row exchange meets the peers' next collective and
+gloo / NCCL abort the process on the size mismatch); nor anything on the cute backends (no
+header).
 A rank that raised between a dispatch and its combine (e.g. in the experts, or in combine's
 checks) takes its part in that combine without a result (`abandon`; MoELayer does it): a
 header of kind "abandoned" (tp) or a status row per peer (dp), so its peers raise
@@ -312,7 +312,9 @@ class GroupTopology(Topology):
         Raises:
             CallAbandoned (a RuntimeError): on every rank but the one, when a rank left this
                 call's dispatch without its combine (`abandon`).
-            ValueError: on every rank, when another rank is at a check of another kind.
+            ValueError: on every rank, when another rank is at a check of another kind or a
+                combine of another site (`site`; every topology built on the group so far then
+                refuses calls).
         """
         every = self._send_header(row, device, step)
         other = _unpaired(row, every)  # (first: every rank then marks itself out of step)
