@@ -892,3 +892,36 @@ def test_a_group_without_this_rank_is_named(pools):
     r0, r1 = pools(2).run(w_not_a_member, timeout_s=30)
     assert r0 == 1
     assert "rank 1" in r1 and "not a member" in r1, r1
+
+
+def w_copies_in_other_orders(rank, world, topo_name):
+    """Layer B = deepcopy(layer A) (its topology copied too); rank 0 runs A then B, rank 1 B
+    then A. A copy kept its original's site, so the two paired silently."""
+    import copy
+    from moe_runtime import MoEConfig, MoELayer
+    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                    dtype=torch.float32)
+    torch.manual_seed(0)
+    a = MoELayer(cfg, topology=make_topology(topo_name, E, backend="reference", timeout_s=5),
+                 backend="reference")
+    b = copy.deepcopy(a)
+    state = a.topology.__getstate__()
+    del state["topology_id"]  # (as pickled before topologies had ids)
+    old = type(a.topology).__new__(type(a.topology))
+    old.__setstate__(state)
+    ids = (a.topology.topology_id, b.topology.topology_id, old.topology_id)
+    x = torch.randn(3, 8)
+    try:
+        with torch.no_grad():
+            for layer in ((a, b) if rank == 0 else (b, a)):
+                layer(x)
+        return ids, None
+    except ValueError as e:
+        return ids, str(e)
+
+
+@pytest.mark.parametrize("topo_name", ["tp", "dp_nvlink"])
+def test_copies_of_a_layer_run_in_other_orders_raise(pools, topo_name):
+    for ids, msg in pools(2).run(w_copies_in_other_orders, topo_name, timeout_s=60):
+        assert len(set(ids)) == 3, ids  # the copy and the old pickle take new ids
+        assert msg is not None and "out of step" in msg, msg

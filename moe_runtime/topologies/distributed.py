@@ -29,9 +29,12 @@ topology's id on its group (0, 1, ... in construction order per group), the call
 on the topology (Topology.register_layer, in construction order; one topology may serve many
 layers) and the topology's dispatch number. The dp counts exchange and tp's combine check carry
 the site (ValueError on every rank instead of rows of another layer; the ranks stay apart, so
-the topology then refuses further calls: build new topologies and layers). Every rank must
-therefore build its topologies and layers in the same order (SPMD code, swap_moe_layers and the
-engine do). Ranks that meet in different collectives (e.g. one at a topology's first-call check,
+every topology of the group up to the highest id in the failing exchange then refuses calls,
+on every rank alike: build new topologies and layers). Every rank must therefore build its
+topologies and layers in the same order (SPMD code, swap_moe_layers and the engine do; a copy,
+by copy.deepcopy or pickle, takes a new id as it is made; a rank that built one topology more
+than its peers stays apart on that group). A default group destroyed and initialized again is
+another group: topologies built before refuse calls. Ranks that meet in different collectives (e.g. one at a topology's first-call check,
 another in a dp counts exchange) time out instead (CollectiveError). Not caught: under dp, a
 combine or a dispatch made by one rank only (combining one result twice is allowed when every
 rank does it, so there is no local sign: its row exchange meets the peers' next collective and
@@ -190,7 +193,25 @@ class GroupTopology(Topology):
             _warn_alone(self.name)  # (world_size is then 1)
         super().__init__(num_experts, rank=rank, world_size=world_size, align=align)
         self.group = group
-        self.topology_id = _next_topology_id(group) if world_size > 1 else 0
+        self._take_topology_id()
+
+    def _take_topology_id(self) -> None:
+        """This topology's id on its group (`_next_topology_id`), and the group it was taken
+        on (a default group re-initialized later is another group: `_check_in_step`)."""
+        key = _group_key(self.group) if self.world_size > 1 else None
+        self.topology_id = _next_topology_id(self.group) if key is not None else 0
+        self._id_group = weakref.ref(key) if key is not None else None
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (copy.deepcopy, pickle) takes a new id, in the order copies are made: with
+        its original's it would pair with it silently when ranks ran the two in other orders."""
+        self.__dict__.update(state)
+        self._take_topology_id()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_id_group", None)  # (a weak reference: taken again by __setstate__)
+        return state
 
     def _step(self, what: str) -> str:
         return f"{self.name}.{what}"
@@ -242,13 +263,16 @@ class GroupTopology(Topology):
     def _check_in_step(self) -> None:
         why = self.__dict__.get("_out_of_step")
         key = _group_key(self.group) if self.world_size > 1 else None
-        if not why and key is not None:  # (topologies built before the group went apart)
-            built, why = _GROUPS_APART.get(key, (0, None))
-            why = why if self.topology_id < built else None
+        built_on = self.__dict__.get("_id_group")
+        if not why and key is not None and built_on is not None and built_on() is not key:
+            why = ("it was built on a default process group that has been destroyed and "
+                   "initialized again since")
+        if not why and key is not None:  # (topologies the ranks' apart calls reached)
+            upto, why = _GROUPS_APART.get(key, (0, None))
+            why = why if self.topology_id < upto else None
         if why:
-            raise RuntimeError(
-                f"{self.name} rank {self.rank}: this topology is out of step with its peers "
-                f"({why}). Build new topologies (new layers) on every rank to go on")
+            raise RuntimeError(f"{self.name} rank {self.rank}: this topology refuses calls, its "
+                               f"ranks being out of step: {why}. {_REBUILD}")
 
     @property
     def calls(self) -> int:
@@ -266,24 +290,24 @@ class GroupTopology(Topology):
         backends compare across ranks (module docstring)."""
         return (self.topology_id, self.__dict__.get("_layer", 0), self.calls)
 
-    def _out_of_step_error(self, mine: str, theirs: str) -> ValueError:
-        """The ValueError that every rank raises when the ranks are at different calls; this
-        topology then refuses further calls (the ranks cannot get back in step)."""
-        err = ValueError(f"{self.name} rank {self.rank}: the ranks are out of step: {mine}, "
-                         f"{theirs}; every rank must make the same calls in the same order. "
-                         "Build new topologies (new layers) on every rank to go on")
-        self._mark_apart(err)
-        return err
+    def _out_of_step_error(self, mine: str, theirs: str, ids: Sequence[int]) -> ValueError:
+        """The ValueError that every rank raises when the ranks are at different calls (`ids`:
+        the topology ids of the sites every rank saw, `_mark_apart`)."""
+        why = f"the ranks are out of step: {mine}, {theirs}"
+        self._mark_apart(why, ids)
+        return ValueError(f"{self.name} rank {self.rank}: {why}; every rank must make the same "
+                          f"calls in the same order. {_REBUILD}")
 
-    def _mark_apart(self, error: BaseException) -> None:
-        """The ranks paired calls of different sites (`site`): the order of calls on this
-        group has diverged, so every topology built on the group so far refuses further calls
-        (topologies built after this work: the ranks agree on their ids)."""
-        self._mark_out_of_step(error)
+    def _mark_apart(self, why: str, ids: Sequence[int]) -> None:
+        """The ranks paired calls of different sites (`site`), whose topology ids are `ids`
+        (the same list on every rank: each saw every rank's site): the order of calls on this
+        group has diverged, so the topologies with an id up to max(ids) refuse further calls on
+        every rank alike; topologies with larger ids (built later) work."""
+        self._out_of_step = why
         key = _group_key(self.group)
         if key is not None:
-            _GROUPS_APART[key] = (_GROUP_TOPOLOGIES.get(key, 0),
-                                  f"the ranks went out of step on this process group: {error}")
+            upto = max(_GROUPS_APART.get(key, (0, None))[0], max(ids) + 1)
+            _GROUPS_APART[key] = (upto, f"{why} (topologies up to #{upto - 1} of this group)")
 
     def _before_dispatch(self, device: torch.device) -> None:
         """The first call checks that every rank built the same topology (`_check_same_topology`,
@@ -320,7 +344,8 @@ class GroupTopology(Topology):
         other = _unpaired(row, every)  # (first: every rank then marks itself out of step)
         if other is not None:
             raise self._out_of_step_error(f"this rank is at {_header_text(every[self.rank])}",
-                                          f"rank {other} at {_header_text(every[other])}")
+                                          f"rank {other} at {_header_text(every[other])}",
+                                          _header_topologies(every))
         gone = next((r for r, e in enumerate(every) if e[0] == HEADER_KINDS["abandoned"]
                      and row[0] == HEADER_KINDS["combine"]), None)
         if gone is not None:
@@ -380,6 +405,16 @@ def _next_topology_id(group) -> int:
 
 def _site_text(topology: int, layer: int, call: int) -> str:
     return f"dispatch #{call} of layer {layer} of topology #{topology}"
+
+
+_REBUILD = ("Build new topologies and layers, in the same order on every rank, to go on (on a "
+            "new process group if the ranks built different numbers of topologies on this one)")
+
+
+def _header_topologies(every: Sequence[Sequence[int]]) -> list[int]:
+    """The topology ids in the combine / abandoned headers of `every` (0 for other kinds)."""
+    pairs = (HEADER_KINDS["combine"], HEADER_KINDS["abandoned"])
+    return [e[SITE] if e[0] in pairs else 0 for e in every]
 _TOPOLOGY_CODES = {"tp": 0, "dp_nvlink": 1, "dp_p2p": 2}
 
 
@@ -395,7 +430,8 @@ def _header_text(row: Sequence[int]) -> str:
     if kind == HEADER_KINDS["topology"]:
         return f"the first call's topology check ({_topology_name(a)}, {b} experts)"
     if kind in (HEADER_KINDS["combine"], HEADER_KINDS["abandoned"]):
-        return (f"the combine of {_site_text(*row[SITE:])} (T={a}, H={b}, k={c}, "
+        what = "combine" if kind == HEADER_KINDS["combine"] else "abandoned combine"
+        return (f"the {what} of {_site_text(*row[SITE:])} (T={a}, H={b}, k={c}, "
                 f"{_DTYPES[d] if 0 <= d < len(_DTYPES) else d})")
     return f"an unknown check {list(row)}"
 
@@ -449,7 +485,8 @@ class DataParallelTopology(GroupTopology):
         if any(tuple(m[2:]) != site for m in peers_meta):
             raise self._out_of_step_error(
                 f"this rank is at the {_site_text(*site)}",
-                f"the ranks at {[_site_text(*m[2:]) for m in peers_meta]}")
+                f"the ranks at {[_site_text(*m[2:]) for m in peers_meta]}",
+                [m[2] for m in peers_meta])
         mine = [x.shape[1], _DTYPE_CODES[x.dtype]]
         if any([h, d] != mine for h, d, *_ in peers_meta):
             raise ValueError(
@@ -493,9 +530,9 @@ class DataParallelTopology(GroupTopology):
         send[h["row_pos"]] = expert_y[h["recv_slot"]]
         returned, gone = self._return_rows(send, h, status=0)
         if gone:
-            raise CallAbandoned(f"{self.name} rank {self.rank}: rank(s) {gone} left dispatch "
-                                f"#{h['call']} without its combine (they raised; see their "
-                                "errors): this call has no result")
+            raise CallAbandoned(f"{self.name} rank {self.rank}: rank(s) {gone} left "
+                                f"{_site_text(*h['site'])} without its combine (they raised; "
+                                "see their errors): this call has no result")
         return reference.combine(returned, h["token_slot"], h["topk_weights"])
 
     def _release_peers(self, result: DispatchResult) -> None:

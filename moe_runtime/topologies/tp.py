@@ -28,8 +28,8 @@ import torch
 from ..comm import all_reduce_sum
 from ..kernels import get_ops, reference
 from .base import DispatchResult
-from .distributed import (_DTYPE_CODES, _DTYPES, HEADER_KINDS, PeerBufferTopology, _header_text,
-                          _unpaired)
+from .distributed import (_DTYPE_CODES, _DTYPES, HEADER_KINDS, PeerBufferTopology,
+                          _header_text, _header_topologies, _unpaired)
 
 
 class TPTopology(PeerBufferTopology):
@@ -88,19 +88,20 @@ class TPTopology(PeerBufferTopology):
         other = _unpaired(row, every)
         if other is not None:  # (the peers raise out of step at this header: so does this rank,
             # at its next call, instead of waiting in a collective nobody joins)
-            self._mark_apart(ValueError(
-                f"the ranks were out of step at {_header_text(every[self.rank])}: rank {other} "
-                f"was at {_header_text(every[other])}"))
+            self._mark_apart(f"the ranks were out of step at {_header_text(every[self.rank])}: "
+                             f"rank {other} was at {_header_text(every[other])}",
+                             _header_topologies(every))
 
     def _check_same_tokens(self, expert_y: torch.Tensor, handle: dict) -> None:
-        """Reference backend: every rank's (T, H, k, dtype), dispatch number and layer through
-        a fixed-size all-reduce (GroupTopology._exchange_header) before the [T, H] one, whose
-        mismatched sizes would abort the process (gloo) or hang (NCCL), and whose partial sums
-        from another call, layer, top-k or dtype would be added silently.
+        """Reference backend: every rank's (T, H, k, dtype) and the call's site (topology id,
+        layer, dispatch number) through a fixed-size all-reduce (GroupTopology._exchange_header)
+        before the [T, H] one, whose mismatched sizes would abort the process (gloo) or hang
+        (NCCL), and whose partial sums from another call, layer, top-k or dtype would be added
+        silently.
 
         Raises:
-            ValueError: on every rank, naming each rank's (tokens, hidden, top_k, dtype), or
-                its dispatch number and layer (out of step: the topology then refuses calls)."""
+            ValueError: on every rank, naming each rank's (tokens, hidden, top_k, dtype), or its
+                site (out of step: the topologies the sites reached then refuse calls)."""
         every = self._exchange_header(_combine_row("combine", expert_y, handle), expert_y.device,
                                       "combine shapes")
         per_rank = [tuple(e[1:5]) for e in every]
