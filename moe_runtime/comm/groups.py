@@ -113,15 +113,6 @@ def _alone(group) -> bool:
     return group is None and not (dist.is_available() and dist.is_initialized())
 
 
-def check_member(group) -> None:
-    """Raise ValueError when `group` is torch's placeholder for a process left out of it
-    (dist.new_group returns GroupMember.NON_GROUP_MEMBER, an int, to the ranks it leaves out)."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"this process (rank {dist.get_rank()}) is not a member of `group`: "
-                         "torch.distributed.new_group returns a placeholder to the ranks it "
-                         "leaves out; build the topology only on the group's ranks")
-
-
 def group_rank_size(group=None) -> tuple[int, int]:
     """(rank in group, group size) for a ProcessGroup, or the default group when None
     ((0, 1) when torch.distributed is not initialized and group is None).
@@ -134,10 +125,10 @@ def group_rank_size(group=None) -> tuple[int, int]:
         return 0, 1
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("a process group was given but torch.distributed is not initialized")
-    check_member(group)
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(group)  # (-1 for new_group's placeholder to the ranks it leaves out)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not in the group")
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the "
+                         "group: build the topology only on the group's ranks")
     return rank, dist.get_world_size(group)
 
 

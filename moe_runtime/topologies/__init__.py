@@ -71,9 +71,9 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
                          f"({', '.join(CUTE_TOPOLOGIES)}), not to topology {name!r}")
     if group is not None:
         import torch.distributed as dist
-        from ..comm.groups import check_member
-        check_member(group)
-        if not isinstance(group, dist.ProcessGroup):
+        # (new_group gives the ranks it leaves out a placeholder int: group_rank_size names it)
+        placeholder = group is dist.GroupMember.NON_GROUP_MEMBER
+        if not isinstance(group, dist.ProcessGroup) and not placeholder:
             raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
                             f"{type(group).__name__}")
     if name == "local":

@@ -520,8 +520,7 @@ class DataParallelTopology(GroupTopology):
         return DispatchResult(expert_x, offsets, {
             "recv_slot": recv_slot.view(-1).long(), "send_splits": send_splits,
             "recv_splits": recv_splits, "token_slot": token_slot.view(T, k).to(torch.int32),
-            "topk_weights": topk_weights, "call": self.calls, "site": site,
-            "row_pos": row_pos,
+            "topk_weights": topk_weights, "site": site, "row_pos": row_pos,
             "send_status": send_status, "back_status": back_status})
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:

@@ -64,8 +64,7 @@ class TPTopology(PeerBufferTopology):
         T, k = topk_ids.shape
         expected = -(-T * k // self.world_size) + self.num_local_experts * (self.align - 1)
         return DispatchResult(expert_x, offsets, {"token_slot": slot, "topk_weights": topk_weights,
-                                                  "peer_buffers": bufs, "call": self.calls,
-                                                  "site": self.site},
+                                                  "peer_buffers": bufs, "site": self.site},
                               expected_rows=expected)
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
