@@ -98,6 +98,28 @@ def test_refused_values_raise_data_error_naming_rank_code_and_bound():
     assert all(c >= pb.DATA_ERROR for c in range(16, 22) if c in pb.PHASES)
 
 
+def test_site_words_round_trip_and_out_of_step_errors_name_both_sites():
+    for site in [(0, 0, 0), (3, 5, 17), (4095, 1023, 511)]:
+        w = pb.site_word(*site)
+        assert 0 <= w < 1 << 31 and pb.site_fields(w) == site
+    assert pb.site_fields(pb.site_word(4096 + 2, 1024 + 1, 512 + 9)) == (2, 1, 9)  # modulo
+    assert len({pb.site_word(t, l, c) for t in range(3) for l in range(3) for c in range(3)}) == 27
+    assert pb.check_sites(None, 2) == [0, 0] and pb.check_sites([5], 1) == [5]
+    for bad in ([1], [1, -1], [1, 1 << 31], [1, True], [1, 2.0]):
+        with pytest.raises(ValueError, match="sites must be 2 int"):
+            pb.check_sites(bad, 2)
+    b = bufs()
+    mine, theirs = pb.site_word(1, 0, 2), pb.site_word(2, 1, 2)
+    b.view(pb.F_ERR, 0).copy_(torch.tensor([pb.E_OUT_OF_STEP, 1, mine, theirs], dtype=torch.int32))
+    b.view(pb.F_ERR, 2).copy_(torch.tensor([pb.E_OTHER_TOKENS, 3, 5, 6], dtype=torch.int32))
+    with pytest.raises(pb.PeerDataError) as ei:
+        b.check_errors("tp_combine_all_reduce")
+    msg = str(ei.value)
+    assert ("rank 0: out of step with rank 1 (code 22): this rank's call is at site (topology, "
+            "layer, dispatch) (1, 0, 2), rank 1's at (2, 1, 2)") in msg, msg
+    assert f"rank 2: {pb.PHASES[23]} (code 23): this rank passed T=5, rank 3 T=6" in msg, msg
+
+
 def test_wait_bounds_validate():
     pytest.importorskip("cutlass")
     from moe_runtime.kernels.peer_sync import MAX_SPINS, wait_bounds

@@ -368,6 +368,67 @@ def test_cute_buffers_broken_then_reset_work_again():
         assert out[0] == out[2] == "ok" and "call reset()" in out[1], out
 
 
+def w_sites(rank, world, name):
+    """Two ranks of the cute host code (kernels recorded) with two layers on their own
+    topologies: each call passes its site word to the kernels; an out-of-step record in the
+    error words (what the kernels write when a peer's site differs) becomes the reference
+    backends' ValueError; both topologies then refuse calls; a new one makes new buffers."""
+    os.environ["MOE_RUNTIME_SMS"] = "132"
+    torch.cuda.is_available = lambda: True
+    from _recorded import record_launches
+    from moe_runtime.kernels import cute_ops, reference
+    distributed.CUTE_DEVICE_TYPE = "cpu"
+    cute_ops.dispatch = reference.dispatch
+    record_launches(setattr)
+
+    def make():
+        t = make_topology(name, E, backend="cute", max_tokens_per_rank=16, transport="ipc")
+        t.register_layer()
+        return t
+
+    def call(t):
+        res = t.dispatch(*batch(3, seed=7))
+        t.combine(res.expert_x, res)
+        return t.peer_buffers.table[pb.F_ARG_SITE, rank].item()
+
+    a, b = make(), make()
+    out = dict(ids=(a.topology_id, b.topology_id),
+               words=[call(a), call(b), call(a)], sites=[pb.site_word(*t.site) for t in (a, b)])
+    bufs = a.peer_buffers
+    theirs = (a.topology_id, 0, 3)  # the peer at layer a's third call; this rank at b's second
+    bufs.view(pb.F_ERR, 0).copy_(torch.tensor([pb.E_OUT_OF_STEP, 1 - rank, 0,
+                                               pb.site_word(*theirs)], dtype=torch.int32))
+    try:
+        call(b)
+    except ValueError as e:
+        out["apart"] = str(e)
+    out["refused"] = []
+    for t in (a, b):
+        try:
+            call(t)
+        except RuntimeError as e:
+            out["refused"].append(str(e))
+    c = make()
+    out["new"] = (call(c), pb.site_word(*c.site), c.peer_buffers is not bufs, bufs.broken)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp", "dp_nvlink"])
+def test_calls_send_their_site_and_ranks_out_of_step_raise(name):
+    for rank, o in enumerate(run_distributed(w_sites, 2, name, timeout_s=120)):
+        ia, ib = o["ids"]
+        assert o["words"] == [pb.site_word(ia, 0, 1), pb.site_word(ib, 0, 1),
+                              pb.site_word(ia, 0, 2)]
+        assert o["sites"] == [pb.site_word(ia, 0, 2), pb.site_word(ib, 0, 1)]
+        msg = o.get("apart")
+        assert msg and "the ranks are out of step: this rank is at the dispatch #2 of layer 0 " \
+            f"of topology #{ib}, rank {1 - rank} at the dispatch #3 of layer 0 of topology #{ia}" \
+            in msg and "Build new topologies" in msg, msg
+        assert len(o["refused"]) == 2 and all("out of step" in m for m in o["refused"]), o
+        word, want, new_buffers, broken = o["new"]
+        assert word == want and new_buffers and broken, o["new"]
+
+
 def w_auto_two_ranks(rank, world, cute_on):
     """backend "auto" on 2 real ranks whose CuTeDSL availability is cute_on[rank]: the
     construction leaves it unresolved on both, so both join the first CUDA call's gather and

@@ -40,7 +40,9 @@ Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device 
 that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase; an
 index that would fall outside its buffer (topk_ids outside [0, E), token_slot past expert_y, a
 corrupt count or row from a peer) is refused, recorded the same way, and raised as
-`PeerDataError`. After an error the buffers are in an unknown state: `reset()` (a memset,
+`PeerDataError`; so is a peer whose call is at another site (`site_word`: the callers'
+topology, layer and dispatch number, checked by every dispatch and all-reduce) or, in an
+all-reduce, passed another T. After an error the buffers are in an unknown state: `reset()` (a memset,
 host-synchronous) is needed.
 """
 from __future__ import annotations
@@ -67,32 +69,36 @@ F_RET_FLAG = 7      # [W, S] int32             epoch per returned chunk, per des
 F_AR_IN = 8         # [T_max, H] x.dtype       all-reduce input (partial sums of this rank)
 F_AR_MID = 9        # [T_max, H] x.dtype       two-shot: reduce-scattered slice of this rank
 F_SIG = 10          # [MAX_CTAS, W] int32      cross-rank per-CTA barrier signal pad
-F_CNT = 11          # [E] int32      (local)   send counters per global expert, 0 between calls
-F_STAGE = 12        # [T_max * k] int32        item -> slot, then staging index at its dest
-F_INV = 13          # [W, S] int32             staging (dest, i) -> item t*k+j
-F_NSEND = 14        # [W] int32                rows sent to each dest this call
-F_POS = 15          # [W, S] int32             staging (src, i) -> expert-major row
-F_NRECV = 16        # [W] int32                rows received from each source this call
-F_XOUT = 17         # [XCAP, H] x.dtype        expert_x: rows in expert-major order
-F_OFFS = 18         # [E_local + 1] int32      expert_offsets
-F_BAR = 19          # [4] int32                rank-local grid barrier word (+ spare)
-F_ERR = 20          # [4] int32                [phase, peer, expected, seen] of the first timeout
-NUM_HEAP_FIELDS = 21
+F_SITE = 11         # [W, 3] int32             [s, 0]: site word of source s's dispatch (s
+                    #                          pushes it); [r, 1:3] of rank r itself: its
+                    #                          all-reduce's site word and T (peers pull them)
+F_CNT = 12          # [E] int32      (local)   send counters per global expert, 0 between calls
+F_STAGE = 13        # [T_max * k] int32        item -> slot, then staging index at its dest
+F_INV = 14          # [W, S] int32             staging (dest, i) -> item t*k+j
+F_NSEND = 15        # [W] int32                rows sent to each dest this call
+F_POS = 16          # [W, S] int32             staging (src, i) -> expert-major row
+F_NRECV = 17        # [W] int32                rows received from each source this call
+F_XOUT = 18         # [XCAP, H] x.dtype        expert_x: rows in expert-major order
+F_OFFS = 19         # [E_local + 1] int32      expert_offsets
+F_BAR = 20          # [4] int32                rank-local grid barrier word (+ spare)
+F_ERR = 21          # [4] int32                [phase, peer, expected, seen] of the first timeout
+NUM_HEAP_FIELDS = 22
 # ---- argument rows: per-call values, not heap fields (table[f, r] for each local rank r) ----
-F_ARG_X = 21        # address of rank r's token rows x [T_r, H]
-F_ARG_IDS = 22      # address of rank r's topk_ids int32 [T_r, k]
-F_ARG_T = 23        # T_r itself (a count, not an address)
-F_ARG_W = 24        # address of rank r's topk_weights fp32 [T_r, k]
-F_ARG_Y = 25        # address of rank r's output rows [T_r, H]
-F_ARG_EY = 26       # address of rank r's expert_y [>= rows, H]
-F_ARG_SLOT = 27     # address of rank r's token_slot int32 [T, k] (tp decode combine)
-F_ARG_ROWS = 28     # rows of rank r's expert_y (tp decode combine: bound of token_slot)
-NUM_FIELDS = 29
+F_ARG_X = 22        # address of rank r's token rows x [T_r, H]
+F_ARG_IDS = 23      # address of rank r's topk_ids int32 [T_r, k]
+F_ARG_T = 24        # T_r itself (a count, not an address)
+F_ARG_W = 25        # address of rank r's topk_weights fp32 [T_r, k]
+F_ARG_Y = 26        # address of rank r's output rows [T_r, H]
+F_ARG_EY = 27       # address of rank r's expert_y [>= rows, H]
+F_ARG_SLOT = 28     # address of rank r's token_slot int32 [T, k] (tp decode combine)
+F_ARG_ROWS = 29     # rows of rank r's expert_y (tp decode combine: bound of token_slot)
+F_ARG_SITE = 30     # rank r's site word of this call (`site_word`; compared with every peer's)
+NUM_FIELDS = 31
 
 FIELD_NAMES = ("recv_x", "recv_meta", "inbox_cnt", "inbox_flag", "chunk_flag", "ack", "ret_x",
-               "ret_flag", "ar_in", "ar_mid", "sig", "cnt", "stage", "inv", "nsend", "pos",
+               "ret_flag", "ar_in", "ar_mid", "sig", "site", "cnt", "stage", "inv", "nsend", "pos",
                "nrecv", "xout", "offs", "bar", "err")
-PEER_FIELDS = frozenset(range(F_RECV_X, F_SIG + 1))
+PEER_FIELDS = frozenset(range(F_RECV_X, F_SITE + 1))
 EPOCH_FIELDS = (F_INBOX_FLAG, F_CHUNK_FLAG, F_ACK, F_RET_FLAG, F_SIG)  # hold epochs, not data
 EPOCH_LIMIT = 1 << 30  # epochs (dispatch and barrier) stay in [0, EPOCH_LIMIT]: int32 `>=` exact
 
@@ -120,11 +126,65 @@ PHASES = {
     19: "dispatch: received row with an out-of-range local expert or position",
     20: "combine: returned row with an out-of-range token item",
     21: "tp combine: token_slot entry >= rows of expert_y",
+    22: "out of step: a peer's call is at another site",
+    23: "all-reduce: a peer passed another token count",
 }
+E_OUT_OF_STEP, E_OTHER_TOKENS = 22, 23  # (expected / seen: this rank's value / the peer's)
+
+# Site words (F_ARG_SITE, F_SITE): every dispatch and all-reduce sends its caller's site to
+# every peer, which compares it with its own (E_OUT_OF_STEP): ranks that paired calls of other
+# layers, topologies or dispatch numbers (a rank went on after an error) raise instead of
+# exchanging rows silently. One int32: topology id, layer and dispatch number, each modulo
+# 2**bits (SITE_BITS, high to low bits), so a skip of 2**bits calls exactly goes unseen.
+# Cost (benchmarks/multirank_virtual.py, H 7168, k 8, E 256, bf16, interleaved rounds against
+# the kernels without it, best of each): W = 2 virtual ranks on one H200, decode dispatch
+# T = 1 12.02 -> 12.27 us, dispatch + combine 18.67 -> 18.99, one-shot all-reduce 5.34 -> 5.59;
+# on 2 H200s (--real, two machines' runs) decode dispatch T = 1 / 8 / 128 within the run-to-run
+# spread (+0.1..0.5 us), one-shot all-reduce T = 1 17.3 -> 18.3 and 15.6 -> 16.3 us, T = 128
+# +0.1..0.5 us. (Pushing the all-reduce's site into the peers' rows cost 3.7 us at T = 1 there:
+# a remote store before the barrier's release; each rank keeps it in its own row instead.)
+SITE_BITS = (12, 10, 9)
+SITE_COLS = 3  # F_SITE columns: dispatch site, all-reduce site, all-reduce T
+
+
+def site_word(topology: int, layer: int, call: int) -> int:
+    """The int32 (>= 0) of a call's site (topology id, layer, dispatch number; SITE_BITS)."""
+    word = 0
+    for value, bits in zip((topology, layer, call), SITE_BITS):
+        word = (word << bits) | (int(value) % (1 << bits))
+    return word
+
+
+def site_fields(word: int) -> tuple[int, int, int]:
+    """(topology id, layer, dispatch number), each modulo 2**bits, of a site word."""
+    out = []
+    for bits in reversed(SITE_BITS):
+        out.append(word & ((1 << bits) - 1))
+        word >>= bits
+    return tuple(reversed(out))
+
+
+def check_sites(sites, n_local: int) -> list[int]:
+    """Site words per local rank (None: 0 for each).
+
+    Raises:
+        ValueError: not n_local ints in [0, 2**31)."""
+    sites = [0] * n_local if sites is None else list(sites)
+    if len(sites) != n_local or any(isinstance(w, bool) or not isinstance(w, int)
+                                    or not 0 <= w < 1 << 31 for w in sites):
+        raise ValueError(f"sites must be {n_local} int(s) in [0, 2**31) (site_word), got {sites}")
+    return sites
 
 
 def describe_error(e: dict) -> str:
     """One line for an error record {rank, phase, phase_name, peer, expected, seen}."""
+    if e["phase"] == E_OUT_OF_STEP:
+        return (f"rank {e['rank']}: out of step with rank {e['peer']} (code {e['phase']}): this "
+                "rank's call is at site (topology, layer, dispatch) "
+                f"{site_fields(e['expected'])}, rank {e['peer']}'s at {site_fields(e['seen'])}")
+    if e["phase"] == E_OTHER_TOKENS:
+        return (f"rank {e['rank']}: {e['phase_name']} (code {e['phase']}): this rank passed "
+                f"T={e['expected']}, rank {e['peer']} T={e['seen']}")
     if e["phase"] >= DATA_ERROR:
         return (f"rank {e['rank']}: {e['phase_name']} (code {e['phase']})"
                 + (f", from rank {e['peer']}" if e["peer"] >= 0 else "")
@@ -155,9 +215,11 @@ class PeerTimeoutError(PeerError):
 class PeerDataError(PeerError):
     """A kernel refused a value that would have indexed out of bounds (bad input such as
     topk_ids outside [0, E), or a corrupt value from a peer); nothing was accessed with it.
-    Other ranks may report follow-on timeouts in the same exception."""
+    Also: a peer's call at another site (E_OUT_OF_STEP) or an all-reduce of another T
+    (E_OTHER_TOKENS); that call's outputs are then wrong. Other ranks may report follow-on
+    timeouts in the same exception."""
 
-    summary = "out-of-range value refused"
+    summary = "value refused"
 
 
 @dataclass(frozen=True)
@@ -227,7 +289,8 @@ class PeerSpec:
             F_RECV_X: ((W, S, H), dt), F_RECV_META: ((W, S, 2), i32), F_INBOX_CNT: ((W, El), i32),
             F_INBOX_FLAG: ((W,), i32), F_CHUNK_FLAG: ((W, S), i32), F_ACK: ((W,), i32),
             F_RET_X: ((items, H), dt), F_RET_FLAG: ((W, S), i32), F_AR_IN: ((T, H), dt),
-            F_AR_MID: ((T, H), dt), F_SIG: ((MAX_CTAS_PER_RANK, W), i32), F_CNT: ((E,), i32),
+            F_AR_MID: ((T, H), dt), F_SIG: ((MAX_CTAS_PER_RANK, W), i32), F_SITE: ((W, SITE_COLS), i32),
+            F_CNT: ((E,), i32),
             F_STAGE: ((items,), i32), F_INV: ((W, S), i32), F_NSEND: ((W,), i32),
             F_POS: ((W, S), i32), F_NRECV: ((W,), i32), F_XOUT: ((xout, H), dt),
             F_OFFS: ((El + 1,), i32), F_BAR: ((4,), i32), F_ERR: ((4,), i32),

@@ -17,6 +17,10 @@ caller tensor out [n_local, T, H]. Sums are fp32 in rank order 0..W-1, cast once
             vectors that CTAs of its index read first in the all-reduce (one-shot: its strided
             vectors; two-shot: its strided part of every rank's slice), so the per-CTA barrier
             below also publishes the combine: no grid barrier, no second launch.
+Before the first barrier, CTA 0 of each rank stores its call's site word and T into its own
+F_SITE row; after it, each rank reads every peer's (with its first reads of their inputs) and
+compares them with its own (E_OUT_OF_STEP, E_OTHER_TOKENS: PeerDataError), so ranks that paired
+calls of different layers or token counts raise instead of summing them.
 Barriers are per CTA (CTA b of every rank meets CTA b of every rank); a vector is produced and
 consumed by CTAs with the same index on every rank, so no grid-wide barrier is needed (a
 barrier before reading peers and one before returning). Every wait is bounded and a
@@ -53,9 +57,10 @@ import cuda.bindings.driver as cuda
 from cutlass import Constexpr, Float32, Int32, Int64
 
 from ..comm import peer_buffers as pb
-from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, compile_tvm,
-                        cross_rank_barrier, ctas_per_rank, fake_rows, fake_stream, i32_at,
-                        in_range, vec_at, vec_elems, wait_bounds)
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, GMEM, THREADS, block_rank, check_site,
+                        compile_tvm, cross_rank_barrier, ctas_per_rank, fake_rows, fake_stream,
+                        i32_at, in_range, peer_site, record_error, vec_at, vec_elems,
+                        wait_bounds)
 
 ONESHOT, TWOSHOT = 1, 2
 COMBINE = 4  # flag: the tp combine first, in the same launch (COMBINE | ONESHOT, COMBINE | TWOSHOT)
@@ -99,6 +104,16 @@ def combine_vector(ey: Int64, rows: Int32, slots: cute.Pointer, wts: cute.Pointe
     vec_at(dst, 0, c, nv, dtype).store(acc.to(dtype))
 
 
+@cute.jit
+def check_call(mTab: cute.Tensor, rank: Int32, lb: Int32, tidx: Int32, site: Int32,
+               tokens: Int32, T: Int32, err: Int64, W: Constexpr[int]):
+    """CTA 0's thread p < W: peer p's site word and T (peer_site) against this call's."""
+    if (lb == 0) & (tidx < W):
+        check_site(mTab, rank, tidx, site, err)
+        if tokens != T:
+            record_error(err, Int32(pb.E_OTHER_TOKENS), tidx, T, tokens)
+
+
 @cute.kernel
 def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, skip_rank: Int32,
                      max_spins: Int32, algo: Constexpr[int],
@@ -119,6 +134,13 @@ def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, sk
     two = (algo & TWOSHOT) != 0
     per = (n + (W - 1)) // W  # two-shot: rank r owns vectors [r * per, min(n, (r + 1) * per))
     if rank != skip_rank:
+        if (lb == 0) & (tidx == 0):  # this call's site and T in this rank's own row (local
+            # stores: a remote store here would put an NVLink round trip before the barrier's
+            # release), released by the first barrier, pulled by the peers after it (they read
+            # the previous call's before the last barrier of that call)
+            box = i32_at(mTab[pb.F_SITE, rank]) + rank * pb.SITE_COLS
+            cute.arch.store(box + 1, Int32(mTab[pb.F_ARG_SITE, rank]))
+            cute.arch.store(box + 2, T)
         if cutlass.const_expr(algo & COMBINE):  # local combine -> this rank's F_AR_IN
             ey = mTab[pb.F_ARG_EY, rank]
             rows = Int32(mTab[pb.F_ARG_ROWS, rank])
@@ -134,15 +156,21 @@ def allreduce_kernel(mTab: cute.Tensor, T: Int32, epoch: Int32, rank0: Int32, sk
                     combine_vector(ey, rows, slots, wts, mine, c, err, K, nv, dtype)
         cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch, tidx, err, max_spins,
                            Int32(7), W)
+        site, tokens = Int32(0), T
+        if (lb == 0) & (tidx < W):  # (thread tidx acquired peer tidx's flag in the barrier)
+            site = peer_site(mTab, tidx, tidx, 1)  # loaded now, compared after the first reads
+            tokens = peer_site(mTab, tidx, tidx, 2)
         if cutlass.const_expr(not two):
             for c in cutlass.range(first, n, stride):
                 vec_at(out, 0, c, nv, dtype).store(sum_peers(ins, c, nv, dtype).to(dtype))
+            check_call(mTab, rank, lb, tidx, site, tokens, T, err, W)
         else:
             lo = rank * per
             mid = mTab[pb.F_AR_MID, rank]
             for q in cutlass.range(first, slice_len(n, lo, per), stride):
                 vec_at(mid, 0, lo + q, nv, dtype).store(
                     sum_peers(ins, lo + q, nv, dtype).to(dtype))
+            check_call(mTab, rank, lb, tidx, site, tokens, T, err, W)
             cross_rank_barrier(mTab, pb.F_SIG, rank, lb, epoch + 1, tidx, err, max_spins,
                                Int32(8), W)
             for u in cutlass.range_constexpr(W):
@@ -208,10 +236,11 @@ def _compiled(bufs, algo_code):
                              str(s.dtype).removeprefix("torch."))
 
 
-def _launch(bufs, f, algo_code, T, out, args, timeout_s, max_spins, check, skip_rank, what):
+def _launch(bufs, f, algo_code, T, out, args, sites, timeout_s, max_spins, check, skip_rank,
+            what):
     """Launch f (= _compiled(bufs, algo_code)) after reserving its barrier epochs."""
     spins = wait_bounds(timeout_s, max_spins)
-    bufs.set_args({pb.F_ARG_Y: [o.data_ptr() for o in out], **args})
+    bufs.set_args({pb.F_ARG_Y: [o.data_ptr() for o in out], pb.F_ARG_SITE: sites, **args})
     epoch = bufs.take_sig_epochs(SIG_EPOCHS[algo_code & 3])
     bufs.launch(f, T, epoch, bufs.rank0, skip_rank, spins)
     if check:
@@ -233,21 +262,25 @@ def _out(bufs, T, out):
 
 def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = None, *,
                algo: str = "auto", out: torch.Tensor | None = None,
-               timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
-               check: bool = True, skip_rank: int = -1) -> torch.Tensor:
+               sites: Sequence[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+               max_spins: int | None = None, check: bool = True,
+               skip_rank: int = -1) -> torch.Tensor:
     """Sum over ranks of x: out [n_local, T, H] (every local rank gets the full sum).
 
     Args:
         x: [n_local, T, H] partials of the local ranks (copied into the peer buffers), or None
             when they were already written into ar_input(bufs, T, i) (then pass T).
-        algo: "auto" | "oneshot" | "twoshot". Others: see ep_dispatch.
+        algo: "auto" | "oneshot" | "twoshot". Others: see ep_dispatch (sites too).
 
     Raises:
-        ValueError: T > max_tokens_per_rank (names the limit), bad shapes; before launching.
+        ValueError: T > max_tokens_per_rank (names the limit), bad shapes or sites; before
+            launching.
         PeerTimeoutError: a peer never reached a barrier (names rank, phase, peer).
+        PeerDataError: a peer's call at another site, or with another T.
     """
     s = bufs.spec
     bufs.check_usable()
+    sites = pb.check_sites(sites, bufs.n_local)
     if x is not None:
         if x.dim() != 3 or x.shape[0] != bufs.n_local or x.shape[2] != s.hidden or x.dtype != s.dtype:
             raise ValueError(f"x must be {s.dtype} [{bufs.n_local}, T, {s.hidden}], got "
@@ -265,13 +298,14 @@ def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = Non
     out = _out(bufs, T, out)
     if T == 0:
         return out
-    return _launch(bufs, _compiled(bufs, ALGOS[name]), ALGOS[name], T, out, {}, timeout_s,
-                   max_spins, check, skip_rank, f"all_reduce ({name})")
+    return _launch(bufs, _compiled(bufs, ALGOS[name]), ALGOS[name], T, out, {}, sites,
+                   timeout_s, max_spins, check, skip_rank, f"all_reduce ({name})")
 
 
 def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor],
                           token_slot: torch.Tensor, topk_weights: torch.Tensor, *,
                           algo: str = "auto", out: torch.Tensor | None = None,
+                          sites: Sequence[int] | None = None,
                           timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
                           check: bool = True, skip_rank: int = -1) -> torch.Tensor:
     """tp combine + all-reduce in ONE launch (COMBINE into F_AR_IN, then the one-shot or the
@@ -284,15 +318,18 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
         topk_weights: fp32 [T, k] (replicated tokens: the same on every rank).
         algo: "auto" (pick_algo by T * H bytes: the same on every rank, T being replicated) |
             "oneshot" | "twoshot".
+        sites: see ep_dispatch.
     Returns out [n_local, T, H].
 
     Raises:
-        ValueError: bad shapes/dtypes/devices, T > max_tokens_per_rank; before launching.
-        PeerDataError: a token_slot entry >= N_r (refused on the device, nothing read with it).
+        ValueError: bad shapes/dtypes/devices/sites, T > max_tokens_per_rank; before launching.
+        PeerDataError: a token_slot entry >= N_r (refused on the device, nothing read with it);
+            a peer's call at another site, or with another T.
         PeerTimeoutError: a peer never reached a barrier (names rank, phase, peer).
     """
     s = bufs.spec
     bufs.check_usable()
+    sites = pb.check_sites(sites, bufs.n_local)
     eys = [expert_y] if isinstance(expert_y, torch.Tensor) else list(expert_y)
     T = topk_weights.shape[0]
     if (token_slot.dtype != torch.int32 or tuple(token_slot.shape) != (bufs.n_local, T, s.top_k)
@@ -317,7 +354,7 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
     args = {pb.F_ARG_EY: [e.data_ptr() for e in eys], pb.F_ARG_ROWS: [e.shape[0] for e in eys],
             pb.F_ARG_SLOT: [t.data_ptr() for t in slot],
             pb.F_ARG_W: [w.data_ptr()] * bufs.n_local}
-    out = _launch(bufs, f, code, T, out, args, timeout_s, max_spins, check, skip_rank,
+    out = _launch(bufs, f, code, T, out, args, sites, timeout_s, max_spins, check, skip_rank,
                   f"tp_combine_all_reduce ({name})")
     del slot, w  # (stream-ordered frees: safe while the kernel runs)
     return out

@@ -8,12 +8,13 @@ Protocol of one call with epoch e (rank s sending, rank r receiving; fields: pee
            inbox of call e-1), then takes a slot per (t, j) with atomics on cnt[expert].
   PUBLISH  (after all of s's counts) s scans its counts per destination -> staging index
            i = offset_within_dest[expert] + slot, the inverse map inv[r, i] = t*k+j, and waits
-           for ack_s[r] >= e-1 before it writes cnt[r's experts] into inbox_r[s] and
-           inbox_flag_r[s] = e (release.sys).
+           for ack_s[r] >= e-1 before it writes cnt[r's experts] into inbox_r[s], its call's
+           site word into site_r[s] and inbox_flag_r[s] = e (release.sys).
   SEND     s copies its rows in chunks of `chunk` staging rows: rows + meta (local expert, item)
            into recv_r[s, i], then chunk_flag_r[s, i // chunk] = e (release.sys): per-token
            release flags when chunk = 1, per-chunk flags otherwise. Counters are re-zeroed.
-  RECV     r acquire-polls inbox_flag_r[s] >= e for every s, derives expert_offsets (per-expert
+  RECV     r acquire-polls inbox_flag_r[s] >= e for every s, compares site_r[s] with its own
+           call's site (a mismatch is recorded as E_OUT_OF_STEP), derives expert_offsets (per-expert
            totals padded to `align`, exclusive scan) and each (s, expert) sub-segment base, then
            acquire-polls each chunk flag and compacts the rows into expert-major order
            (F_XOUT), remembering pos[s, i] for the combine.
@@ -79,9 +80,10 @@ from cutlass import Constexpr, Int32, Int64
 
 from ..comm import peer_buffers as pb
 from .device_counts import round_up, shared_exclusive_scan
-from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, chunk_of, compile_tvm,
-                        copy_row, ctas_per_rank, decode_grids, fake_rows, fake_stream, i32_at,
-                        in_range, rank_grid_barrier, vec_elems, wait_bounds, wait_ge)
+from .peer_sync import (DEFAULT_TIMEOUT_S, DTYPES, THREADS, block_rank, check_site, chunk_of,
+                        compile_tvm, copy_row, ctas_per_rank, decode_grids, fake_rows,
+                        fake_stream, i32_at, in_range, peer_site, rank_grid_barrier, vec_elems,
+                        wait_bounds, wait_ge)
 
 PH_COUNT, PH_PUBLISH, PH_SEND, PH_RECV = 1, 2, 4, 8
 PH_ALL = PH_COUNT | PH_PUBLISH | PH_SEND | PH_RECV
@@ -169,6 +171,9 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                     r = q // E_l
                     box = i32_at(mTab[pb.F_INBOX_CNT, r])
                     cute.arch.store(box + (rank * E_l + q - r * E_l), _ld(cnt + q))
+                if tidx < W:  # with the counts: this call's site (the flag's release covers it)
+                    cute.arch.store(i32_at(mTab[pb.F_SITE, tidx]) + rank * pb.SITE_COLS,
+                                    Int32(mTab[pb.F_ARG_SITE, rank]))
                 cute.arch.sync_threads()
                 if tidx < W:
                     cute.arch.store(i32_at(mTab[pb.F_INBOX_FLAG, tidx]) + rank, epoch,
@@ -207,10 +212,15 @@ def dispatch_kernel(mTab: cute.Tensor, epoch: Int32, S: Int32, rank0: Int32, ski
                 wait_ge(i32_at(mTab[pb.F_INBOX_FLAG, rank]) + tidx, epoch, err, max_spins,
                         Int32(4), tidx)
             cute.arch.sync_threads()
+            site = Int32(0)
+            if (lb == 0) & (tidx < W):  # source tidx's site, loaded with the counts
+                site = peer_site(mTab, rank, tidx, 0)
             box = i32_at(mTab[pb.F_INBOX_CNT, rank])
             for q in cutlass.range(tidx, W * E_l, threads):  # counts [source, local expert]
                 sC[q] = _ld(box + q)
             cute.arch.sync_threads()
+            if (lb == 0) & (tidx < W):
+                check_site(mTab, rank, tidx, site, err)
             for le in cutlass.range(tidx, E_l, threads):  # padded per-expert totals
                 tot = Int32(0)
                 for s in cutlass.range_constexpr(W):
@@ -371,7 +381,7 @@ def check_inputs(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
 
 def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
                 tokens_per_rank: Sequence[int] | None = None, *, mode: str = "auto",
-                timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
+                sites: Sequence[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, max_spins: int | None = None,
                 check: bool = True, skip_rank: int = -1) -> EPDispatchHandle:
     """dp_nvlink dispatch of the local rank(s) of `bufs`.
 
@@ -383,6 +393,9 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
         mode: "auto" | "decode" (one cooperative launch) | "prefill" (four launches); auto
             decides from the busiest virtual rank's T, or for a real rank (n_local = 1) from
             max_tokens_per_rank, so that every rank picks the same (see pick_mode).
+        sites: per local rank, the int32 site word of its call (peer_buffers.site_word; default
+            0): each receiver compares every source's with its own and records E_OUT_OF_STEP
+            on a mismatch, so ranks that paired calls of different layers raise.
         timeout_s, max_spins: bound of every device wait: max_spins polls, or by default
             timeout_s at one poll per peer_sync.POLL_NS (~1.5x timeout_s on the H200).
         check: read the error words after the launch (host sync) and raise PeerTimeoutError;
@@ -394,13 +407,15 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
         EPDispatchHandle (expert_x / expert_offsets views per local rank).
 
     Raises:
-        ValueError / TypeError: bad inputs, before anything is launched.
+        ValueError / TypeError: bad inputs or sites, before anything is launched.
         PeerDataError (check=True): a topk_ids entry outside [0, E), or more rows for one
             destination than the buffers hold (repeated ids in a token); refused on the device.
+            A source's call at another site (the outputs are then wrong).
         PeerTimeoutError: a wait timed out (names rank, phase and peer); bufs need reset().
     """
     s = bufs.spec
     tokens = check_inputs(bufs, x, topk_ids, tokens_per_rank)
+    sites = pb.check_sites(sites, bufs.n_local)
     mode = pick_mode(mode, max(tokens) if bufs.n_local == s.world_size else s.max_tokens_per_rank)
     chunk = DECODE_CHUNK if mode == "decode" else PREFILL_CHUNK
     spins = wait_bounds(timeout_s, max_spins)
@@ -416,7 +431,7 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
     launches = compiled[cpr]
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     bufs.set_args({pb.F_ARG_X: row_addrs(x, tokens), pb.F_ARG_IDS: row_addrs(topk_ids, tokens),
-                   pb.F_ARG_T: tokens})
+                   pb.F_ARG_T: tokens, pb.F_ARG_SITE: sites})
     epoch = bufs.next_epoch()
     for f in launches:
         bufs.launch(f, epoch, s.stage_rows, bufs.rank0, skip_rank, spins)

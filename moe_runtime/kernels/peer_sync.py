@@ -26,6 +26,7 @@ from cutlass import BFloat16, Constexpr, Float16, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.experimental.primitives import nanosleep
 
+from ..comm import peer_buffers as pb
 from ..sync.grid_barrier import arrive_and_wait
 
 GMEM = cute.AddressSpace.gmem
@@ -126,6 +127,26 @@ def in_range(v: Int32, hi: Int32, err: Int64, phase: Int32, peer: Int32):
     if not ok:
         record_error(err, phase, peer, hi, v)
     return ok
+
+
+@cute.jit
+def peer_site(mTab: cute.Tensor, owner: Int32, row: Int32, col: Constexpr[int]) -> Int32:
+    """F_SITE[row, col] in rank `owner`'s buffers (comm/peer_buffers.py: column 0 pushed by
+    the dispatch's sources into the receiver's rows; columns 1-2, the all-reduce's site word
+    and T, kept by every rank in its own row and pulled by its peers). Read after acquiring a
+    flag its writer released after writing it; load it early, compare it late (`check_site`):
+    its latency then hides behind other loads."""
+    return cute.arch.load(i32_at(mTab[pb.F_SITE, owner]) + (row * pb.SITE_COLS + col), Int32)
+
+
+@cute.jit
+def check_site(mTab: cute.Tensor, rank: Int32, peer: Int32, theirs: Int32, err: Int64):
+    """`peer`'s site word (peer_site) against this call's own (F_ARG_SITE); a mismatch records
+    (E_OUT_OF_STEP, peer, own, peer's): the ranks paired calls of different layers, topologies
+    or dispatch numbers (comm/peer_buffers.py, `site_word`)."""
+    mine = Int32(mTab[pb.F_ARG_SITE, rank])
+    if theirs != mine:
+        record_error(err, Int32(pb.E_OUT_OF_STEP), peer, mine, theirs)
 
 
 @cute.jit

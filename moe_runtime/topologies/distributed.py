@@ -28,18 +28,21 @@ calls' on its peers) are caught where a header is exchanged. Every call has a si
 topology's id on its group (0, 1, ... in construction order per group), the calling layer's id
 on the topology (Topology.register_layer, in construction order; one topology may serve many
 layers) and the topology's dispatch number. The dp counts exchange and tp's combine check carry
-the site (ValueError on every rank instead of rows of another layer; the ranks stay apart, so
-every topology of the group up to the highest id in the failing exchange then refuses calls,
-on every rank alike: build new topologies and layers). Every rank must therefore build its
+the site, and so do the cute backends' kernels (a dp dispatch or tp all-reduce stores its site
+word into every peer's buffers, which compare it with their own: peer_buffers.site_word). A
+mismatch raises ValueError on every rank instead of exchanging rows of another layer. The ranks
+stay apart: every topology of the group up to the highest id in the failing exchange then
+refuses calls, on every rank alike; build new topologies and layers. Every rank must build its
 topologies and layers in the same order (SPMD code, swap_moe_layers and the engine do; a copy,
 by copy.deepcopy or pickle, takes a new id as it is made; a rank that built one topology more
 than its peers stays apart on that group). A default group destroyed and initialized again is
-another group: topologies built before refuse calls. Ranks that meet in different collectives (e.g. one at a topology's first-call check,
-another in a dp counts exchange) time out instead (CollectiveError). Not caught: under dp, a
+another group: topologies built before refuse calls. Ranks that meet in different collectives
+(e.g. one at a topology's first-call check, another in a dp counts exchange) time out instead
+(CollectiveError). Not caught: under dp, a
 combine or a dispatch made by one rank only (combining one result twice is allowed when every
 rank does it, so there is no local sign: its row exchange meets the peers' next collective and
-gloo / NCCL abort the process on the size mismatch); nor anything on the cute backends (no
-header).
+gloo / NCCL abort the process on the size mismatch); a cute tp call with T = 0 (it launches
+nothing: the next call with tokens compares the sites).
 A rank that raised between a dispatch and its combine (e.g. in the experts, or in combine's
 checks) takes its part in that combine without a result (`abandon`; MoELayer does it): a
 header of kind "abandoned" (tp) or a status row per peer (dp), so its peers raise
@@ -85,7 +88,7 @@ import functools
 import logging
 import socket
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -628,7 +631,10 @@ class PeerBufferTopology(GroupTopology):
     Every later call checks, before anything is launched: the same H, dtype and k as the first
     call and T <= max_tokens_per_rank (ValueError naming the limit), x on the buffers' device,
     buffers not broken by an earlier device error. A check that fails on one rank only raises
-    there; the peers' kernels then time out (PeerTimeoutError).
+    there; the peers' kernels then time out (PeerTimeoutError). On the device, every dp
+    dispatch and tp combine compares the ranks' sites (module docstring): ranks out of step
+    raise ValueError on every rank, as on the reference backends; their buffers break, and the
+    new topologies that the advice asks for make new ones (tp also compares T: PeerDataError).
 
     Device errors surface as raised by the kernels: PeerTimeoutError (a bounded wait gave up:
     names the rank, the phase and the peer) and PeerDataError (a value refused on the device,
@@ -710,6 +716,8 @@ class PeerBufferTopology(GroupTopology):
             spec, error = None, e
         key = (self.group, spec, x.device, self.transport)
         shared = None if spec is None else _SHARED.get(key)  # (held: the registry is weak)
+        if shared is not None and shared.broken:  # (e.g. ranks out of step: new topologies)
+            shared = None
         mine = {"call": call, "transport": self.transport, "backend": self.backend,
                 "shared": shared is not None, "unsupported": error and str(error),
                 "error_type": error and type(error).__name__}
@@ -753,6 +761,24 @@ class PeerBufferTopology(GroupTopology):
         self.peer_buffers = bufs
         if self.backend == "auto":
             self._settle("cute", reason)
+
+    def _site_checked(self, site: tuple[int, int, int], call: Callable[[], Any]) -> Any:
+        """call(), a kernel call of the call at `site` that sent its site word to its peers
+        (peer_buffers.site_word). A peer at another site (PeerDataError, E_OUT_OF_STEP) raises
+        the reference backends' ValueError instead, and the topologies the two sites reached
+        refuse further calls (`_out_of_step_error`); the peer's site is read from its word, so
+        its numbers are modulo peer_buffers.SITE_BITS."""
+        from ..comm.peer_buffers import E_OUT_OF_STEP, PeerDataError, site_fields
+        try:
+            return call()
+        except PeerDataError as e:
+            apart = [r for r in e.errors if r["phase"] == E_OUT_OF_STEP]
+            if not apart:
+                raise
+            peer, theirs = apart[0]["peer"], site_fields(apart[0]["seen"])
+            raise self._out_of_step_error(f"this rank is at the {_site_text(*site)}",
+                                          f"rank {peer} at the {_site_text(*theirs)}",
+                                          [site[0], theirs[0]]) from e
 
     def _settle(self, backend: str, reason: str, level: int = logging.INFO) -> None:
         """Settle "auto" on `backend` (every rank does, at the same call); log the reason."""

@@ -13,8 +13,10 @@ source sums over k in fp32 (j = 0..k-1, one cast, the order of reference.combine
               flags. The mode comes from the buffers' size, not from T, because every rank must
               use the same one and a rank does not know its peers' T: with the default
               max_tokens_per_rank (1024) every call runs the prefill dispatch; pass
-              max_tokens_per_rank <= 128 for the decode one. Then the error words and
-              expert_offsets[-1] are read in one device-to-host copy (one host sync).
+              max_tokens_per_rank <= 128 for the decode one. Each receiver compares every
+              source's site with its own (ranks out of step: ValueError on every rank). Then
+              the error words and expert_offsets[-1] are read in one device-to-host copy (one
+              host sync).
     combine   send back + weighted sum: one cooperative launch after a decode dispatch, two
               launches after a prefill one; then the error words (one host sync).
 Every rank launches on every call, T = 0 included (its peers wait for its counts).
@@ -49,8 +51,11 @@ class DPNVLinkTopology(PeerBufferTopology, DataParallelTopology):
         bufs = self._peer_buffers(x, topk_ids)
         if bufs is None:
             return super()._dispatch(x, topk_ids, topk_weights)
+        from ..comm.peer_buffers import site_word
         from ..kernels.ep_dispatch import ep_dispatch
-        h = ep_dispatch(bufs, x, topk_ids, **self._kernel_bounds())
+        site = self.site
+        h = self._site_checked(site, lambda: ep_dispatch(
+            bufs, x, topk_ids, sites=[site_word(*site)], **self._kernel_bounds()))
         return DispatchResult(h.expert_x[0][:h.rows_used[0]], h.expert_offsets[0],
                               {"ep": h, "peer_buffers": bufs, "topk_weights": topk_weights})
 

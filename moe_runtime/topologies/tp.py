@@ -15,8 +15,10 @@ Backend "cute" (CUDA, bf16/fp16; PeerBufferTopology: buffers made by the first C
               partial sum, rounded to x.dtype, into its peer buffer, then the sum of all
               ranks' partials in fp32 in rank order, cast once: one-shot up to
               allreduce.ONESHOT_MAX_BYTES of partials per rank, two-shot above (T is the same
-              on every rank, so every rank picks the same). Then the error words are read
-              (one host sync per combine). No launch at T = 0.
+              on every rank, so every rank picks the same). Every rank compares its peers'
+              sites (out of step: ValueError on every rank) and T (PeerDataError) with its
+              own. Then the error words are read (one host sync per combine). No launch at
+              T = 0.
 The cute result is bit-identical on every rank; it differs from the reference only by the
 rounding of each rank's partial sum to x.dtype before the fp32 sum. NVLS (multicast) is never
 used here.
@@ -45,7 +47,8 @@ class TPTopology(PeerBufferTopology):
     combine(expert_y [>= N, H]) -> y [T, H] in expert_y.dtype, identical on every rank.
     Every rank must pass the same x, topk_ids and topk_weights: the reference backend checks
     the token count and hidden size (a small all-reduce before the combine's; ValueError on
-    every rank), the cute one checks nothing (it would cost a collective per call).
+    every rank), the cute one the token count and the call's site in its kernel (module
+    docstring).
     Constructor arguments and errors: see PeerBufferTopology and GroupTopology
     (max_tokens_per_rank bounds T, the replicated batch); combine raises CollectiveError
     (reference) or PeerTimeoutError / PeerDataError (cute) when a peer stalls or dies.
@@ -71,9 +74,11 @@ class TPTopology(PeerBufferTopology):
         h = result.handle
         if h["peer_buffers"] is not None:
             h["settled"] = True
+            from ..comm.peer_buffers import site_word
             from ..kernels.allreduce import tp_combine_all_reduce
-            return tp_combine_all_reduce(h["peer_buffers"], [expert_y], h["token_slot"][None],
-                                         h["topk_weights"], **self._kernel_bounds())[0]
+            return self._site_checked(h["site"], lambda: tp_combine_all_reduce(
+                h["peer_buffers"], [expert_y], h["token_slot"][None], h["topk_weights"],
+                sites=[site_word(*h["site"])], **self._kernel_bounds()))[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
         h["settled"] = True
         self._check_same_tokens(expert_y, h)

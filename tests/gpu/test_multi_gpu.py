@@ -8,6 +8,7 @@
     GPUs (NVLink peer access): the plans of tests/gpu/test_topologies_cute_gpu.py against the
     reference topology over gloo in the same processes.
   * backend "auto" settles on "cute" when every rank has a GPU of its own.
+  * cute ranks out of step (one skipped a layer) raise ValueError on every rank.
 
 Skipped, with the reason, on machines with fewer than two GPUs. Every pool call is bounded
 (RUN_TIMEOUT_S in test_topologies_cute_gpu.py); device-side waits by the topologies' timeout_s.
@@ -28,7 +29,8 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from test_topologies_cute_gpu import CASES as CUTE_CASES, W, check, run, w_auto, w_compare  # noqa: E402,F401
+from test_topologies_cute_gpu import (CASES as CUTE_CASES, W, check, check_out_of_step,  # noqa: E402,F401
+                                     run, w_auto, w_compare, w_out_of_step)
 from test_topologies_multirank import BASE, CASES, TOPOS, check_against_local  # noqa: E402
 
 
@@ -59,3 +61,8 @@ def test_cute_backends_across_gpus_match_reference(run, case):
 def test_auto_picks_cute_with_a_gpu_per_rank(run):
     for before, after, reason, no_buffers in run(w_auto, True):
         assert (before, after, no_buffers) == ("auto", "cute", False), reason
+
+
+@pytest.mark.parametrize("name", ["tp", "dp_nvlink"])
+def test_cute_ranks_out_of_step_across_gpus_raise_on_every_rank(run, name):
+    check_out_of_step(name, run(w_out_of_step, name, True))

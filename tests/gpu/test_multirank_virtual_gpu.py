@@ -261,6 +261,52 @@ def test_out_of_range_inputs_are_refused_not_faulting(vr):
     vr.bufs.reset()
 
 
+def test_ranks_at_other_sites_raise_on_every_rank(vr):
+    """Every call carries its caller's site word (peer_buffers.site_word). The last virtual
+    rank at another site (another layer) is reported by every rank that receives from it, and
+    reports one of its peers; equal nonzero sites pass after a reset."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    W = vr.W
+    xs, ids, ws = inputs([3] * W, gen)
+    good = [pb.site_word(2, 1, 7)] * W
+    odd = good[:-1] + [pb.site_word(3, 2, 7)]
+
+    def check(ei):
+        errs = {e["rank"]: e for e in ei.value.errors}
+        assert sorted(errs) == list(range(W)), ei.value
+        for r, e in errs.items():
+            assert e["phase"] == pb.E_OUT_OF_STEP, e
+            if r < W - 1:
+                assert (e["peer"], e["expected"], e["seen"]) == (W - 1, good[0], odd[-1]), e
+            else:
+                assert e["peer"] < W - 1 and (e["expected"], e["seen"]) == (odd[-1], good[0]), e
+        vr.bufs.reset()
+
+    for mode in ("decode", "prefill"):
+        with pytest.raises(pb.PeerDataError, match="out of step") as ei:
+            vr.dispatch(xs, ids, mode=mode, sites=odd, timeout_s=TIMEOUT_S)
+        check(ei)
+        check_dispatch(vr, vr.dispatch(xs, ids, mode=mode, sites=good, timeout_s=TIMEOUT_S),
+                       xs, ids)
+        vr.bufs.reset()
+    x = torch.randn(W, 5, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for algo in ("oneshot", "twoshot"):
+        with pytest.raises(pb.PeerDataError, match="out of step") as ei:
+            vr.all_reduce(x, algo=algo, sites=odd, timeout_s=TIMEOUT_S)
+        check(ei)
+        out = vr.all_reduce(x, algo=algo, sites=good, timeout_s=TIMEOUT_S)
+        for r in range(W):
+            close(out[r], x.float().sum(0), f"{algo} after a reset, rank {r}")
+    El = vr.spec.num_local_experts
+    rid, w = routing(2, gen)
+    parts = [reference.dispatch(x[0, :2], rid, expert_start=r * El, num_local_experts=El)
+             for r in range(W)]
+    with pytest.raises(pb.PeerDataError, match="out of step") as ei:
+        vr.tp_combine_all_reduce([p[0] for p in parts], torch.stack([p[2] for p in parts]), w,
+                                 sites=odd, timeout_s=TIMEOUT_S)
+    check(ei)
+
+
 def w_reference_topologies(rank, world, x, ids, w, tokens, num_experts):
     """The REFERENCE dp_nvlink and tp topologies, one gloo process per rank on the CPU, with the
     row-wise test experts (x * c_e): per topology this rank's expert_offsets and y. dp_nvlink:

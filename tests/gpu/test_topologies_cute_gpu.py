@@ -14,7 +14,9 @@ ranks). Calls change T every time (T = 0 on one rank, T = 1, both ranks empty); 
 with decode-mode buffers (max_tokens_per_rank <= 128: one launch) and prefill-mode buffers
 (four launches, align 8); tp includes a call above 1 MiB of partials (two-shot) with the local
 prefill dispatch. Also: "auto" stays "reference" when the ranks share a GPU; a rank that skips
-a call makes its peer raise PeerTimeoutError naming rank, phase and peer; W = 1 (one process).
+a call makes its peer raise PeerTimeoutError naming rank, phase and peer; a rank that skips a
+layer (its next layer meets its peer's skipped one) makes both ranks raise ValueError (out of
+step), and tp ranks passing different T raise PeerDataError; W = 1 (one process).
 
 Run: source .device/setup.sh && python3 -m pytest -m gpu tests/gpu/test_topologies_cute_gpu.py
 """
@@ -131,6 +133,47 @@ def w_missing_peer(rank, world, name):
     return dict(msg=None, secs=time.monotonic() - t0)
 
 
+def w_out_of_step(rank, world, name, gpu_per_rank=False):
+    """Three layers on their own cute topologies (as MoELayer(topology=<name>) builds them).
+    Call 1: all on both ranks; call 2: rank 1 skips layer 0 (it raised before it), so its
+    layer 1 meets rank 0's layer 0; call 3 on new topologies. tp also: ranks passing different
+    T to one call (new topologies again). cuda:0, or cuda:rank with gpu_per_rank."""
+    torch.cuda.set_device(rank if gpu_per_rank else 0)
+    scale = expert_scale(E, "cuda")
+
+    def build():
+        topos = [make_topology(name, E, backend="cute", timeout_s=KERNEL_TIMEOUT_S,
+                               transport="ipc", max_tokens_per_rank=64) for _ in range(3)]
+        for t in topos:
+            t.register_layer()
+        return topos
+
+    def layers(topos, T, skip=None):
+        x, ids, w = (t.cuda() for t in batch(40 + rank * (name != "tp"), T))
+        for i, t in enumerate(topos):
+            if i != skip:
+                res = t.dispatch(x, ids, w)
+                y = t.combine(apply_test_experts(res.expert_x, res.expert_offsets,
+                                                 t.expert_start, scale), res)
+        return y.cpu()
+
+    out, topos = [], build()
+    for call in (1, 2, 3):
+        if call == 3:
+            topos = build()
+        try:
+            out.append(("ok", layers(topos, 9, skip=0 if call == 2 and rank == 1 else None)))
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+    if name == "tp":
+        try:
+            layers(build()[:1], 3 + 2 * rank)
+            out.append(("ok", None))
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
 # ---------------------------------------------------------------------------------- the tests
 _pools: dict[int, DistPool] = {}
 
@@ -205,3 +248,27 @@ def test_skipped_call_raises_peer_timeout_naming_rank_phase_peer(run, name, phas
     assert got["ranks"] == [0] and phase in got["msg"] and "waiting for rank 1" in got["msg"], \
         got["msg"]
     assert got["secs"] < 30, got["secs"]
+
+
+@pytest.mark.parametrize("name", ["tp", "dp_nvlink"])
+def test_ranks_out_of_step_raise_on_every_rank(run, name):
+    """Before the kernels compared sites, rank 0's layer 0 exchanged rows (dp) or partial sums
+    (tp) with rank 1's layer 1 silently. Now ValueError on both ranks; new topologies (with new
+    buffers: the old ones broke) give the first call's outputs again."""
+    check_out_of_step(name, run(w_out_of_step, name))
+
+
+def check_out_of_step(name, results):
+    r0, r1 = results
+    for rank, r in enumerate((r0, r1)):
+        assert r[0][0] == "ok" and r[2][0] == "ok", (r[0][0], r[2][0])
+        typ, msg = r[1]
+        assert typ == "ValueError" and "the ranks are out of step" in msg and (
+            f"rank {1 - rank} at the dispatch #2 of layer 0 of topology #") in msg, r[1]
+        assert torch.equal(r[0][1], r[2][1]), f"rank {rank}: call 3 differs from call 1"
+    if name == "tp":
+        assert torch.equal(r0[0][1], r1[0][1])
+        for rank, r in enumerate((r0, r1)):
+            typ, msg = r[3]
+            assert typ == "PeerDataError" and (
+                f"this rank passed T={3 + 2 * rank}, rank {1 - rank} T={5 - 2 * rank}") in msg, r[3]
