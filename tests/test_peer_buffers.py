@@ -73,7 +73,7 @@ def test_epochs_grow_then_restart_with_flags_zeroed_and_data_kept():
 def test_error_words_raise_naming_rank_phase_peer_then_reset():
     b = bufs()
     b.check_errors("nothing")  # no error: no exception
-    b.view(pb.F_ERR, 2).copy_(torch.tensor([4, 3, 7, 6], dtype=torch.int32))
+    b.view(pb.F_ERR, 2)[:4].copy_(torch.tensor([4, 3, 7, 6], dtype=torch.int32))
     with pytest.raises(pb.PeerTimeoutError) as ei:
         b.check_errors("ep_dispatch")
     msg = str(ei.value)
@@ -88,8 +88,8 @@ def test_error_words_raise_naming_rank_phase_peer_then_reset():
 
 def test_refused_values_raise_data_error_naming_rank_code_and_bound():
     b = bufs()
-    b.view(pb.F_ERR, 1).copy_(torch.tensor([16, -1, 16, 99], dtype=torch.int32))
-    b.view(pb.F_ERR, 3).copy_(torch.tensor([4, 1, 7, 6], dtype=torch.int32))  # follow-on wait
+    b.view(pb.F_ERR, 1)[:4].copy_(torch.tensor([16, -1, 16, 99], dtype=torch.int32))
+    b.view(pb.F_ERR, 3)[:4].copy_(torch.tensor([4, 1, 7, 6], dtype=torch.int32))  # follow-on wait
     with pytest.raises(pb.PeerDataError) as ei:
         b.check_errors("ep_dispatch")
     msg = str(ei.value)
@@ -110,14 +110,17 @@ def test_site_words_round_trip_and_out_of_step_errors_name_both_sites():
             pb.check_sites(bad, 2)
     b = bufs()
     mine, theirs = pb.site_word(1, 0, 2), pb.site_word(2, 1, 2)
-    b.view(pb.F_ERR, 0).copy_(torch.tensor([pb.E_OUT_OF_STEP, 1, mine, theirs], dtype=torch.int32))
-    b.view(pb.F_ERR, 2).copy_(torch.tensor([pb.E_OTHER_TOKENS, 3, 5, 6], dtype=torch.int32))
+    b.view(pb.F_ERR, 0)[:5].copy_(torch.tensor([pb.E_OUT_OF_STEP, 1, mine, theirs, 2],
+                                               dtype=torch.int32))
+    b.view(pb.F_ERR, 2)[:4].copy_(torch.tensor([pb.E_OTHER_TOKENS, 3, 5, 6], dtype=torch.int32))
     with pytest.raises(pb.PeerDataError) as ei:
         b.check_errors("tp_combine_all_reduce")
     msg = str(ei.value)
     assert ("rank 0: out of step with rank 1 (code 22): this rank's call is at site (topology, "
             "layer, dispatch) (1, 0, 2), rank 1's at (2, 1, 2)") in msg, msg
     assert f"rank 2: {pb.PHASES[23]} (code 23): this rank passed T=5, rank 3 T=6" in msg, msg
+    assert [e["apart_topology"] for e in ei.value.errors] == [2, 0]
+    assert pb.site_word(4095, 0, 0) >> pb.TOPOLOGY_SHIFT == 4095
 
 
 def test_wait_bounds_validate():

@@ -395,9 +395,12 @@ def w_sites(rank, world, name):
     out = dict(ids=(a.topology_id, b.topology_id),
                words=[call(a), call(b), call(a)], sites=[pb.site_word(*t.site) for t in (a, b)])
     bufs = a.peer_buffers
-    theirs = (a.topology_id, 0, 3)  # the peer at layer a's third call; this rank at b's second
-    bufs.view(pb.F_ERR, 0).copy_(torch.tensor([pb.E_OUT_OF_STEP, 1 - rank, 0,
-                                               pb.site_word(*theirs)], dtype=torch.int32))
+    # what the kernels record when the peer is at layer a's third call and this rank at b's
+    # second: the first mismatch, and the highest topology id of the sites they saw
+    theirs = (a.topology_id, 0, 3)
+    record = [pb.E_OUT_OF_STEP, 1 - rank, pb.site_word(b.topology_id, 0, 2), pb.site_word(*theirs),
+              b.topology_id % (1 << pb.SITE_BITS[0])]
+    bufs.view(pb.F_ERR, 0)[:5].copy_(torch.tensor(record, dtype=torch.int32))
     try:
         call(b)
     except ValueError as e:

@@ -81,7 +81,8 @@ F_NRECV = 17        # [W] int32                rows received from each source th
 F_XOUT = 18         # [XCAP, H] x.dtype        expert_x: rows in expert-major order
 F_OFFS = 19         # [E_local + 1] int32      expert_offsets
 F_BAR = 20          # [4] int32                rank-local grid barrier word (+ spare)
-F_ERR = 21          # [4] int32                [phase, peer, expected, seen] of the first timeout
+F_ERR = 21          # [8] int32                [phase, peer, expected, seen] of the first error,
+                    #                          [4]: ERR_APART, [5:8] spare
 NUM_HEAP_FIELDS = 22
 # ---- argument rows: per-call values, not heap fields (table[f, r] for each local rank r) ----
 F_ARG_X = 22        # address of rank r's token rows x [T_r, H]
@@ -145,6 +146,11 @@ E_OUT_OF_STEP, E_OTHER_TOKENS = 22, 23  # (expected / seen: this rank's value / 
 # a remote store before the barrier's release; each rank keeps it in its own row instead.)
 SITE_BITS = (12, 10, 9)
 SITE_COLS = 3  # F_SITE columns: dispatch site, all-reduce site, all-reduce T
+TOPOLOGY_SHIFT = SITE_BITS[1] + SITE_BITS[2]  # site word >> this = its topology id field
+# Error words per rank (F_ERR): the first error's [phase, peer, expected, seen], then at
+# ERR_APART the largest topology id field of the sites in the mismatches the rank saw (atomic
+# max). Every rank of a call sees every peer's site, so all ranks out of step agree on it.
+ERR_WORDS, ERR_APART = 8, 4
 
 
 def site_word(topology: int, layer: int, call: int) -> int:
@@ -293,7 +299,7 @@ class PeerSpec:
             F_CNT: ((E,), i32),
             F_STAGE: ((items,), i32), F_INV: ((W, S), i32), F_NSEND: ((W,), i32),
             F_POS: ((W, S), i32), F_NRECV: ((W,), i32), F_XOUT: ((xout, H), dt),
-            F_OFFS: ((El + 1,), i32), F_BAR: ((4,), i32), F_ERR: ((4,), i32),
+            F_OFFS: ((El + 1,), i32), F_BAR: ((4,), i32), F_ERR: ((ERR_WORDS,), i32),
         }
 
 
@@ -595,18 +601,20 @@ class PeerBuffers:
                 all_gather_object(None, group=self.group, step=f"peer buffers: {step}")
 
     def errors(self, also: Sequence[torch.Tensor] = ()) -> tuple[list[dict], list[int]]:
-        """Error words of the local ranks, and the values of the int32 scalar tensors `also`
+        """Error records of the local ranks ({rank, phase, phase_name, peer, expected, seen,
+        apart_topology}: see ERR_APART), and the values of the int32 scalar tensors `also`
         read in the same device-to-host copy (one host sync in all)."""
         words = [self.view(F_ERR, i) for i in range(self.n_local)]
         flat = torch.cat([w.reshape(-1) for w in words] + [t.reshape(1) for t in also]).tolist()
-        n = 4 * self.n_local
+        n = ERR_WORDS * self.n_local
         out = []
         for i in range(self.n_local):
-            ph, peer, exp, seen = flat[4 * i:4 * i + 4]
+            rec = flat[ERR_WORDS * i:ERR_WORDS * (i + 1)]
+            ph, peer, exp, seen = rec[:4]
             if ph:
                 out.append({"rank": self.rank0 + i, "phase": ph,
                             "phase_name": PHASES.get(ph, "unknown phase"), "peer": peer,
-                            "expected": exp, "seen": seen})
+                            "expected": exp, "seen": seen, "apart_topology": rec[ERR_APART]})
         return out, flat[n:]
 
     def check_errors(self, what: str, also: Sequence[torch.Tensor] = ()) -> list[int]:
@@ -637,8 +645,11 @@ class PeerBuffers:
         The kernels take ONLY the table as a tensor argument and reach every per-call array
         through these rows (the pattern the one-shot all-reduce proved on the H200). The
         device table is rewritten (one small host-to-device copy on the current stream,
-        ordered after the kernels already queued there) only when a value changed, so
-        steady-state calls with the same buffers copy nothing."""
+        ordered after the kernels already queued there; from pageable memory, so the host
+        waits for that stream) only when a value changed. Calls with the same tensors and
+        sites copy nothing; a topology's calls copy every time (each carries a new dispatch
+        number in its site word, and new activations), and read their error words after the
+        launch, a host sync of their own."""
         new = self._host_table.clone()
         for f, vals in values.items():
             if f < NUM_HEAP_FIELDS or len(vals) != self.n_local:

@@ -142,11 +142,15 @@ def peer_site(mTab: cute.Tensor, owner: Int32, row: Int32, col: Constexpr[int]) 
 @cute.jit
 def check_site(mTab: cute.Tensor, rank: Int32, peer: Int32, theirs: Int32, err: Int64):
     """`peer`'s site word (peer_site) against this call's own (F_ARG_SITE); a mismatch records
-    (E_OUT_OF_STEP, peer, own, peer's): the ranks paired calls of different layers, topologies
-    or dispatch numbers (comm/peer_buffers.py, `site_word`)."""
+    (E_OUT_OF_STEP, peer, own, peer's) and raises err[ERR_APART] to the larger topology id
+    field of the two: the ranks paired calls of different layers, topologies or dispatch
+    numbers (comm/peer_buffers.py, `site_word`)."""
     mine = Int32(mTab[pb.F_ARG_SITE, rank])
     if theirs != mine:
         record_error(err, Int32(pb.E_OUT_OF_STEP), peer, mine, theirs)
+        top = mine if mine > theirs else theirs
+        cute.arch.atomic_max(i32_at(err) + pb.ERR_APART, top >> pb.TOPOLOGY_SHIFT,
+                             sem="relaxed", scope="gpu")
 
 
 @cute.jit

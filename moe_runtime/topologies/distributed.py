@@ -28,8 +28,9 @@ calls' on its peers) are caught where a header is exchanged. Every call has a si
 topology's id on its group (0, 1, ... in construction order per group), the calling layer's id
 on the topology (Topology.register_layer, in construction order; one topology may serve many
 layers) and the topology's dispatch number. The dp counts exchange and tp's combine check carry
-the site, and so do the cute backends' kernels (a dp dispatch or tp all-reduce stores its site
-word into every peer's buffers, which compare it with their own: peer_buffers.site_word). A
+the site, and so do the cute backends' kernels (a dp dispatch sends its site word to every
+peer with its counts, a tp all-reduce lets every peer read it; each rank compares the peers'
+words with its own: peer_buffers.site_word). A
 mismatch raises ValueError on every rank instead of exchanging rows of another layer. The ranks
 stay apart: every topology of the group up to the highest id in the failing exchange then
 refuses calls, on every rank alike; build new topologies and layers. Every rank must build its
@@ -303,7 +304,7 @@ class GroupTopology(Topology):
 
     def _mark_apart(self, why: str, ids: Sequence[int]) -> None:
         """The ranks paired calls of different sites (`site`), whose topology ids are `ids`
-        (the same list on every rank: each saw every rank's site): the order of calls on this
+        (max(ids) is the same on every rank: each saw every rank's site): the order of calls on this
         group has diverged, so the topologies with an id up to max(ids) refuse further calls on
         every rank alike; topologies with larger ids (built later) work."""
         self._out_of_step = why
@@ -765,9 +766,10 @@ class PeerBufferTopology(GroupTopology):
     def _site_checked(self, site: tuple[int, int, int], call: Callable[[], Any]) -> Any:
         """call(), a kernel call of the call at `site` that sent its site word to its peers
         (peer_buffers.site_word). A peer at another site (PeerDataError, E_OUT_OF_STEP) raises
-        the reference backends' ValueError instead, and the topologies the two sites reached
-        refuse further calls (`_out_of_step_error`); the peer's site is read from its word, so
-        its numbers are modulo peer_buffers.SITE_BITS."""
+        the reference backends' ValueError instead, and the topologies up to the highest id of
+        the sites the call paired refuse further calls (`_out_of_step_error`; every rank saw
+        every peer's site, so all agree on that id: peer_buffers.ERR_APART). The peer's site is
+        read from its word, so its numbers are modulo peer_buffers.SITE_BITS."""
         from ..comm.peer_buffers import E_OUT_OF_STEP, PeerDataError, site_fields
         try:
             return call()
@@ -776,9 +778,20 @@ class PeerBufferTopology(GroupTopology):
             if not apart:
                 raise
             peer, theirs = apart[0]["peer"], site_fields(apart[0]["seen"])
+            upto = self._topology_id_of(max(r["apart_topology"] for r in apart))
             raise self._out_of_step_error(f"this rank is at the {_site_text(*site)}",
                                           f"rank {peer} at the {_site_text(*theirs)}",
-                                          [site[0], theirs[0]]) from e
+                                          [upto]) from e
+
+    def _topology_id_of(self, field: int) -> int:
+        """The topology id whose site word field (its id modulo 2**SITE_BITS[0]) is `field`:
+        the newest topology built on this group with that field (the same on every rank when
+        every rank built the same topologies)."""
+        from ..comm.peer_buffers import SITE_BITS
+        key = _group_key(self.group)
+        built = _GROUP_TOPOLOGIES.get(key, 0) if key is not None else 0
+        newest = max(self.topology_id, built - 1)
+        return newest - (newest - field) % (1 << SITE_BITS[0])
 
     def _settle(self, backend: str, reason: str, level: int = logging.INFO) -> None:
         """Settle "auto" on `backend` (every rank does, at the same call); log the reason."""
