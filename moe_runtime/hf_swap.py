@@ -10,15 +10,27 @@ Supported blocks (transformers 5.x, `transformers/models/<family>/modeling_<fami
 | OLMoE       | OlmoeSparseMoeBlock      | softmax top-k, `norm_topk_prob` (config) | -                              |
 | DeepSeek-V3 | DeepseekV3MoE            | fp32 logits, sigmoid + e_score_correction_bias, n_group/topk_group, routed_scaling_factor | `shared_experts` MLP (ungated) |
 
+Also supported, because their MoE code (router, experts, shared MLP, block) is the same as a
+family above, up to names (`tests/test_hf_swap.py` compares each one's output with HF's):
+    * as DeepSeek-V3: DeepSeek-V3.2 (DeepseekV32MoE), GLM-4.5 / 4.6 / 4.7 (Glm4MoeMoE), GLM-4.5V
+      (Glm4vMoeTextMoE), GLM-4-MoE-Lite (Glm4MoeLiteMoE), GLM-MoE-DSA (GlmMoeDsaMoE), Kimi-Linear
+      (KimiLinearMoE), dots.llm1 (Dots1MoE), Solar-Open (SolarOpenMoE), Bailing-Hybrid
+      (BailingHybridMoE);
+    * as Qwen2-MoE: Qwen3-Next (Qwen3NextSparseMoeBlock), Qwen4-Exp (Qwen4ExpTextSparseMoeBlock);
+    * as Qwen3-MoE: Mellum (MellumSparseMoeBlock), and Qwen3-VL-MoE
+      (Qwen3VLMoeTextSparseMoeBlock), whose router always renormalizes (no `norm_topk_prob`);
+    * as OLMoE: FlexOlmo (FlexOlmoSparseMoeBlock); as Mixtral: MiniMax (MiniMaxSparseMoeBlock).
+
 Every family stores its routed experts in the fused v5 layout that `Experts` uses as is
 (gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I], SiLU, no bias), its router
 weight as [E, H] and its shared expert as three bias-free nn.Linear, so NO tensor is copied for any
-of the five families: the replacement's parameters and buffers ARE the HF ones (same storage; under
+of these families: the replacement's parameters and buffers ARE the HF ones (same storage; under
 a multi-rank topology the routed experts are a view of this rank's slice, which keeps the whole
 [E, ...] HF storage alive: to hold only this rank's experts, load them so in the first place). The
 MoELayer is built on the meta device first, so the swap allocates no weight memory at all.
 
-All five blocks return one tensor [batch, seq, H] in transformers 5.x, which MoELayer also returns.
+All these blocks return one tensor [batch, seq, H] in transformers 5.x, which MoELayer also
+returns.
 
 Differences from the HF module, by design:
     * The routed weights are applied and summed in fp32 (`kernels.reference.combine`); HF Qwen2/3
@@ -76,7 +88,7 @@ Differences from the HF module, by design:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -115,15 +127,42 @@ class _Family:
     router_logits_fp32: bool = False
 
 
+def _modeling(model_dir: str) -> str:
+    return f"{_MODELS}.{model_dir}.modeling_{model_dir}"
+
+
+_QWEN3 = _Family("Qwen3-MoE", _modeling("qwen3_moe"), "Qwen3MoeSparseMoeBlock")
+_QWEN2 = _Family("Qwen2-MoE", _modeling("qwen2_moe"), "Qwen2MoeSparseMoeBlock",
+                 shared="shared_expert", shared_gate="shared_expert_gate")
+_MIXTRAL = _Family("Mixtral", _modeling("mixtral"), "MixtralSparseMoeBlock", norm_topk_prob=True)
+_OLMOE = _Family("OLMoE", _modeling("olmoe"), "OlmoeSparseMoeBlock")
+_DSV3 = _Family("DeepSeek-V3", _modeling("deepseek_v3"), "DeepseekV3MoE", scoring="sigmoid",
+                shared="shared_experts", router_logits_fp32=True)
+
+
+def _like(base: _Family, name: str, model_dir: str, block: str, **over) -> _Family:
+    """A family whose MoE code is `base`'s up to names (module docstring)."""
+    return replace(base, name=name, module=_modeling(model_dir), block=block, **over)
+
+
 FAMILIES = (
-    _Family("Qwen3-MoE", f"{_MODELS}.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-    _Family("Qwen2-MoE", f"{_MODELS}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
-            shared="shared_expert", shared_gate="shared_expert_gate"),
-    _Family("Mixtral", f"{_MODELS}.mixtral.modeling_mixtral", "MixtralSparseMoeBlock",
-            norm_topk_prob=True),
-    _Family("OLMoE", f"{_MODELS}.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock"),
-    _Family("DeepSeek-V3", f"{_MODELS}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE",
-            scoring="sigmoid", shared="shared_experts", router_logits_fp32=True),
+    _QWEN3, _QWEN2, _MIXTRAL, _OLMOE, _DSV3,
+    _like(_DSV3, "DeepSeek-V3.2", "deepseek_v32", "DeepseekV32MoE"),
+    _like(_DSV3, "GLM-4-MoE", "glm4_moe", "Glm4MoeMoE"),
+    _like(_DSV3, "GLM-4V-MoE", "glm4v_moe", "Glm4vMoeTextMoE"),
+    _like(_DSV3, "GLM-4-MoE-Lite", "glm4_moe_lite", "Glm4MoeLiteMoE"),
+    _like(_DSV3, "GLM-MoE-DSA", "glm_moe_dsa", "GlmMoeDsaMoE"),
+    _like(_DSV3, "Kimi-Linear", "kimi_linear", "KimiLinearMoE"),
+    _like(_DSV3, "dots.llm1", "dots1", "Dots1MoE"),
+    _like(_DSV3, "Solar-Open", "solar_open", "SolarOpenMoE"),
+    _like(_DSV3, "Bailing-Hybrid", "bailing_hybrid", "BailingHybridMoE"),
+    _like(_QWEN2, "Qwen3-Next", "qwen3_next", "Qwen3NextSparseMoeBlock"),
+    _like(_QWEN2, "Qwen4-Exp", "qwen4_exp", "Qwen4ExpTextSparseMoeBlock"),
+    _like(_QWEN3, "Mellum", "mellum", "MellumSparseMoeBlock"),
+    _like(_QWEN3, "Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock",
+          norm_topk_prob=True),
+    _like(_OLMOE, "FlexOlmo", "flex_olmo", "FlexOlmoSparseMoeBlock"),
+    _like(_MIXTRAL, "MiniMax", "minimax", "MiniMaxSparseMoeBlock"),
 )
 _BY_CLASS = {(f.module, f.block): f for f in FAMILIES}
 

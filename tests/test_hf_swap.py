@@ -121,6 +121,71 @@ def test_logits_match_and_weights_shared(family, norm):
             assert ours[name].data_ptr() == t.data_ptr() and ours[name].shape == t.shape, name
 
 
+# every supported block -> (model directory, its config class); a family added to FAMILIES without
+# an entry here fails test_every_family_block_matches_hf
+BLOCK_CONFIGS = {
+    "Qwen3MoeSparseMoeBlock": ("qwen3_moe", "Qwen3MoeConfig"),
+    "Qwen2MoeSparseMoeBlock": ("qwen2_moe", "Qwen2MoeConfig"),
+    "MixtralSparseMoeBlock": ("mixtral", "MixtralConfig"),
+    "OlmoeSparseMoeBlock": ("olmoe", "OlmoeConfig"),
+    "DeepseekV3MoE": ("deepseek_v3", "DeepseekV3Config"),
+    "DeepseekV32MoE": ("deepseek_v32", "DeepseekV32Config"),
+    "Glm4MoeMoE": ("glm4_moe", "Glm4MoeConfig"),
+    "Glm4vMoeTextMoE": ("glm4v_moe", "Glm4vMoeTextConfig"),
+    "Glm4MoeLiteMoE": ("glm4_moe_lite", "Glm4MoeLiteConfig"),
+    "GlmMoeDsaMoE": ("glm_moe_dsa", "GlmMoeDsaConfig"),
+    "KimiLinearMoE": ("kimi_linear", "KimiLinearConfig"),
+    "Dots1MoE": ("dots1", "Dots1Config"),
+    "SolarOpenMoE": ("solar_open", "SolarOpenConfig"),
+    "BailingHybridMoE": ("bailing_hybrid", "BailingHybridConfig"),
+    "Qwen3NextSparseMoeBlock": ("qwen3_next", "Qwen3NextConfig"),
+    "Qwen4ExpTextSparseMoeBlock": ("qwen4_exp", "Qwen4ExpTextConfig"),
+    "MellumSparseMoeBlock": ("mellum", "MellumConfig"),
+    "Qwen3VLMoeTextSparseMoeBlock": ("qwen3_vl_moe", "Qwen3VLMoeTextConfig"),
+    "FlexOlmoSparseMoeBlock": ("flex_olmo", "FlexOlmoConfig"),
+    "MiniMaxSparseMoeBlock": ("minimax", "MiniMaxConfig"),
+}
+# tiny sizes, set where the config has the attribute (its aliases included)
+BLOCK_SIZES = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+                   n_routed_experts=8, num_local_experts=8, num_experts_per_tok=3, n_group=4,
+                   topk_group=2, n_shared_experts=2, shared_expert_intermediate_size=24,
+                   routed_scaling_factor=2.5)
+BLOCK_CASES = [(f.block, norm) for f in FAMILIES
+               for norm in ((False, True) if f.norm_topk_prob is None else (None,))]
+
+
+@pytest.mark.parametrize("block_name,norm", BLOCK_CASES)
+def test_every_family_block_matches_hf(block_name, norm):
+    """Each supported block, built from its own config with random weights (and a random
+    correction bias), against the swapped MoELayer on the same input, sharing its tensors."""
+    import importlib
+    model_dir, config_name = BLOCK_CONFIGS[block_name]
+    cfg = getattr(importlib.import_module(f"transformers.models.{model_dir}.configuration_{model_dir}"),
+                  config_name)()
+    for name, value in {**BLOCK_SIZES, **({} if norm is None else {"norm_topk_prob": norm})}.items():
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    block = getattr(importlib.import_module(f"transformers.models.{model_dir}.modeling_{model_dir}"),
+                    block_name)(cfg).eval()
+    g = torch.Generator().manual_seed(len(block_name))
+    with torch.no_grad():
+        for t in (*block.parameters(), *block.buffers()):
+            t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+        x = torch.randn(2, 7, 32, generator=g)
+        ref = block(x)
+        before = tensor_ptrs(block)
+        layer = swap_moe_layers(block)
+        out = layer(x)
+    assert isinstance(layer, MoELayer) and tensor_ptrs(layer) == before
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5, rel_err(out, ref)
+    if norm is not None:
+        assert layer.config.norm_topk_prob is norm
+
+
+def test_every_supported_block_has_a_test_config():
+    assert set(BLOCK_CONFIGS) == {f.block for f in FAMILIES}
+
+
 def test_moe_config_per_family():
     """The MoEConfig read from each block carries its family's routing rules."""
     got = {}
