@@ -25,7 +25,8 @@ NEW_TOKENS = 10
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {"qwen3-moe": make_checkpoint(str(root / "qwen3"), "qwen3-moe", "tiny"),
-            "mixtral": make_checkpoint(str(root / "mixtral"), "mixtral", "tiny", max_shard_size="100KB")}
+            "mixtral": make_checkpoint(str(root / "mixtral"), "mixtral", "tiny", max_shard_size="100KB"),
+            "glm4-moe": make_checkpoint(str(root / "glm4"), "glm4-moe", "tiny")}
 
 
 def hf_greedy(model_dir: str, prompts, max_new_tokens: int, eos_token_id=None):
@@ -49,7 +50,7 @@ def encode(model_dir, prompts):
     return [tok(p)["input_ids"] for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "glm4-moe"])
 def test_local_batch_greedy_equals_hf_generate(ckpts, arch):
     d = ckpts[arch]
     model = load_model(d, Parallel(), progress=False)
@@ -277,6 +278,39 @@ def test_each_rank_reads_only_its_own_experts(ckpts, tmp_path):
     res = run_distributed(_load_rank, 2, d)
     assert res[0] == ("ok", [0, 4])
     assert res[1][0] == "error" and key in res[1][1] and "[33, 64]" in res[1][1]
+
+
+def test_glm4_moe_spec_and_bf16_routers_kept_fp32(ckpts, tmp_path):
+    """GLM-4.5's structure read from its config: half-rotary heads, q/k/v biases without an
+    o_proj bias, a dense first layer, DeepSeek-V3 routing with a shared expert; in bf16 the
+    router weight and correction bias stay fp32 (HF's _keep_in_fp32_modules_strict), and the
+    prefill logits follow HF's bf16 model."""
+    from transformers import AutoModelForCausalLM
+    d = ckpts["glm4-moe"]
+    spec, arch = read_spec(d)
+    assert (spec.rotary_dim, spec.head_dim, spec.attention_bias, spec.o_proj_bias) == (8, 16, True, False)
+    assert spec.dense_layers == (0,) and spec.dense_intermediate_size == 128
+    m = spec.moe
+    assert (m.scoring, m.n_group, m.topk_group, m.routed_scaling_factor, m.use_correction_bias) == (
+        "sigmoid", 2, 1, 2.5, True)
+    assert m.shared_expert_intermediate_size == 32 and not m.shared_expert_gate
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").abs().min() > 0
+    model = load_model(d, dtype="bfloat16", progress=False)
+    router = model.layers[1].mlp.router
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([encode(d, PROMPTS[:1])[0]])
+    L = ids.shape[1]
+    from moe_runtime.engine.kv_cache import KVCache
+    cache = KVCache(spec.num_layers, 1, spec.num_kv_heads, L, spec.head_dim, dtype=torch.bfloat16,
+                    device="cpu")
+    ours = model(ids, torch.arange(L)[None], torch.ones(1, L, dtype=torch.bool),
+                 torch.tensor([L - 1]), cache)
+    with torch.no_grad():
+        ref = hf(ids).logits[:, -1].float()
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 3e-2
 
 
 def test_read_spec_of_both_families(ckpts):

@@ -249,8 +249,15 @@ def _tensor_loaders(model: MoECausalLM, arch: Architecture, reader: CheckpointRe
         experts = layer.local_expert_range
         fused = reader.has(f"{prefix}.experts.gate_up_proj")
         gate, up, down = arch.expert_proj_names
+        shared = spec.moe.shared_expert_intermediate_size
         if suffix == "mlp.router.weight":
             loaders[name] = plain(f"{prefix}.gate.weight", (E, H))
+        elif suffix == "mlp.router.e_score_correction_bias":
+            loaders[name] = plain(f"{prefix}.gate.e_score_correction_bias", (E,))
+        elif suffix.startswith("mlp.shared_expert.") and arch.shared_expert_name:
+            proj = suffix.split(".")[2]  # gate_proj / up_proj / down_proj
+            loaders[name] = plain(f"{prefix}.{arch.shared_expert_name}.{proj}.weight",
+                                  (H, shared) if proj == "down_proj" else (shared, H))
         elif fused:
             shape = {"mlp.experts.gate_up_proj": (E, 2 * I, H), "mlp.experts.down_proj": (E, H, I)}[suffix]
             key = f"{prefix}.experts.{suffix.rsplit('.', 1)[1]}"
@@ -304,12 +311,21 @@ def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, d
         loaders = _tensor_loaders(model, arch, reader)
         desc = f"rank {parallel.rank}: loading {os.path.basename(os.path.normpath(model_dir))}"
         for name, load in tqdm(loaders.items(), desc=desc, unit="tensor", disable=not progress):
-            state[name] = load().to(device=device, dtype=spec.dtype)
+            state[name] = load().to(device=device, dtype=_param_dtype(name, spec, arch))
         if parallel.rank == 0:
             _warn_unused(reader, spec, arch)
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers()
     return model.eval()
+
+
+def _param_dtype(name: str, spec: ModelSpec, arch: Architecture) -> torch.dtype:
+    """The model's dtype, except float32 for the routers' correction bias, and for the router
+    weight where HF keeps it so (Architecture.router_fp32)."""
+    if name.endswith("mlp.router.e_score_correction_bias") or (
+            arch.router_fp32 and name.endswith("mlp.router.weight")):
+        return torch.float32
+    return spec.dtype
 
 
 def _untie_if_lm_head_differs(spec: ModelSpec, reader: CheckpointReader) -> ModelSpec:

@@ -8,6 +8,9 @@ transformers' PreTrainedTokenizerFast so `AutoTokenizer.from_pretrained(out_dir)
 The directory and its files get the modes a plain mkdir / open would give (0777 / 0666 less the
 process umask, typically 0755 / 0644), so Ray workers on other nodes can read a shared copy.
 
+Architectures: qwen3-moe, mixtral, glm4-moe (GLM-4.5's structure; its routers' correction
+biases get random values, as a trained checkpoint's are nonzero).
+
 Presets:
     tiny            a few hundred KB; the CI numerics tests and `moe-runtime demo` use it.
     small           more heads and experts (32 experts, top-4): about 55 MB of weights in
@@ -25,7 +28,7 @@ import shutil
 import tempfile
 from typing import Optional, Union
 
-ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "mixtral": "mixtral"}
+ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "mixtral": "mixtral", "glm4-moe": "glm4_moe"}
 PRESETS = ("tiny", "small", "qwen3-30b-a3b")
 EOS_TOKEN = "<|endoftext|>"
 
@@ -127,6 +130,26 @@ def _mixtral_kwargs(preset: str) -> dict:
                 num_experts_per_tok=4, max_position_embeddings=2048)
 
 
+def _glm4_moe_kwargs(preset: str) -> dict:
+    """GLM-4.5's structure at small sizes: q/k/v biases, half-rotary heads, a dense first layer,
+    sigmoid routing over groups of experts, one shared expert."""
+    common = dict(attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                  first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                  norm_topk_prob=True)
+    if preset == "tiny":
+        return dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                    max_position_embeddings=512, **common)
+    return dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=32,
+                n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2,
+                max_position_embeddings=2048, **common)
+
+
+_KWARGS = {"qwen3-moe": _qwen3_kwargs, "mixtral": _mixtral_kwargs, "glm4-moe": _glm4_moe_kwargs}
+
+
 def train_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on TRAINING_TEXT, as a transformers
     PreTrainedTokenizerFast with EOS (= pad) `<|endoftext|>` and no BOS."""
@@ -161,7 +184,7 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
 
     Args:
-        arch: "qwen3-moe" or "mixtral".
+        arch: "qwen3-moe", "mixtral" or "glm4-moe".
         preset: "tiny", "small" or "qwen3-30b-a3b" (Qwen3-MoE only).
         seed: torch seed of the random weights.
         dtype: "float32" (default for tiny/small) or "bfloat16" (default for qwen3-30b-a3b).
@@ -188,7 +211,7 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     a = get_architecture(ARCH_NAMES[arch])
     big = preset == "qwen3-30b-a3b"
     tokenizer = train_tokenizer()
-    kwargs = _qwen3_kwargs(preset) if arch == "qwen3-moe" else _mixtral_kwargs(preset)
+    kwargs = _KWARGS[arch](preset)
     kwargs.setdefault("vocab_size", len(tokenizer))
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config_cls = getattr(transformers, a.hf_class_name.replace("ForCausalLM", "Config"))
@@ -206,6 +229,7 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         else:
             torch.manual_seed(seed)
             model = getattr(transformers, a.hf_class_name)(config).to(getattr(torch, dtype))
+            _randomize_correction_biases(model)
             save_kw = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
             model.save_pretrained(tmp, **save_kw)
         tokenizer.save_pretrained(tmp)
@@ -217,6 +241,16 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _randomize_correction_biases(model) -> None:
+    """Routers with an e_score_correction_bias (GLM-4-MoE) start it at 0 in transformers; a
+    trained checkpoint's is not, so give it N(0, 0.5^2) values: routing then depends on it."""
+    import torch
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            with torch.no_grad():
+                buf.copy_(torch.randn(buf.shape) * 0.5)
 
 
 def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: Optional[str] = None) -> str:

@@ -22,14 +22,19 @@ class ModelSpec:
         model_type: HF `model_type` ("qwen3_moe", "mixtral").
         vocab_size, hidden_size (H), num_layers: as in config.json.
         num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
-        attention_bias: q/k/v/o projections carry a bias.
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4-MoE's `use_qk_norm`).
+        attention_bias: q/k/v projections carry a bias.
+        o_proj_bias: o_proj carries a bias (Llama-style configs: as attention_bias; GLM-4-MoE:
+            never).
+        rotary_dim: RoPE rotates the first rotary_dim dims of each head (GLM-4-MoE:
+            head_dim * partial_rotary_factor); 0 = all of head_dim.
         rms_norm_eps: epsilon of every RMSNorm.
         sliding_window: attend to at most this many previous positions (None = full causal).
         max_position_embeddings: the longest prompt + generation the engine accepts.
         moe: MoEConfig of every MoE layer (dtype = the model's dtype).
         dense_layers: indices of layers with a dense SwiGLU MLP instead of MoE (Qwen3
-            `mlp_only_layers` / `decoder_sparse_step`), width `dense_intermediate_size`.
+            `mlp_only_layers` / `decoder_sparse_step`, GLM-4-MoE `first_k_dense_replace`),
+            width `dense_intermediate_size`.
         tie_word_embeddings: lm_head shares embed_tokens' weight.
         eos_token_ids: generation stops when one of these is sampled.
         hf_config: the transformers config object (RoPE parameters come from it).
@@ -48,6 +53,8 @@ class ModelSpec:
     sliding_window: Optional[int]
     max_position_embeddings: int
     moe: MoEConfig
+    o_proj_bias: bool = False
+    rotary_dim: int = 0
     dense_layers: tuple[int, ...] = ()
     dense_intermediate_size: int = 0
     tie_word_embeddings: bool = False
@@ -102,6 +109,10 @@ class Architecture:
             checkpoints, first = the one transformers' save_pretrained writes.
         expert_proj_names: per-expert (gate, up, down) projection names in checkpoints.
         spec_from_config: (HF config, dtype) -> ModelSpec.
+        shared_expert_name: the MoE block's shared-expert MLP in checkpoints (its
+            gate_proj / up_proj / down_proj), when the family has one.
+        router_fp32: the router weight stays float32 in a bf16 / fp16 model, as HF keeps it
+            (`_keep_in_fp32_modules_strict`; the correction bias always does).
     """
 
     model_type: str
@@ -109,6 +120,8 @@ class Architecture:
     moe_block_names: tuple[str, ...]
     expert_proj_names: tuple[str, str, str]
     spec_from_config: Any = field(compare=False, repr=False)
+    shared_expert_name: Optional[str] = None
+    router_fp32: bool = False
 
 
 def common_spec_fields(cfg, dtype: torch.dtype) -> dict:
@@ -120,6 +133,7 @@ def common_spec_fields(cfg, dtype: torch.dtype) -> dict:
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        o_proj_bias=bool(getattr(cfg, "attention_bias", False)),
         rms_norm_eps=float(cfg.rms_norm_eps), sliding_window=getattr(cfg, "sliding_window", None),
         max_position_embeddings=int(cfg.max_position_embeddings),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),

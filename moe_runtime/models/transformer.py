@@ -126,6 +126,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head of x [B, heads, L, D] (all of them, or
+    GLM-4-MoE's partial rotary: the rest pass through), as HF transformers' apply_rotary_pos_emb."""
+    R = cos.shape[-1]
+    if R == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :R], x[..., R:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
 class DenseMLP(nn.Module):
     """SwiGLU MLP of the dense (non-MoE) layers: down(silu(gate(x)) * up(x)), replicated."""
 
@@ -145,8 +155,8 @@ class Attention(nn.Module):
 
     Parameters (HF names and layouts, rows/cols of this rank's heads only):
         q_proj.weight [q_heads*D, H], k_proj/v_proj.weight [kv_heads*D, H],
-        o_proj.weight [H, q_heads*D] (row-parallel; its bias is added once, after the
-        all-reduce), q_norm/k_norm.weight [D] when spec.qk_norm.
+        o_proj.weight [H, q_heads*D] (row-parallel; its bias, when spec.o_proj_bias, is added
+        once, after the all-reduce), q_norm/k_norm.weight [D] when spec.qk_norm.
     """
 
     def __init__(self, spec: ModelSpec, layer_idx: int, shard: HeadShard, parallel: Parallel):
@@ -156,15 +166,16 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(H, shard.q_heads * D, bias=b, dtype=dt)
         self.k_proj = nn.Linear(H, shard.kv_heads * D, bias=b, dtype=dt)
         self.v_proj = nn.Linear(H, shard.kv_heads * D, bias=b, dtype=dt)
-        self.o_proj = nn.Linear(shard.q_heads * D, H, bias=b, dtype=dt)
+        self.o_proj = nn.Linear(shard.q_heads * D, H, bias=spec.o_proj_bias, dtype=dt)
         self.q_norm = RMSNorm(D, spec.rms_norm_eps, dt) if spec.qk_norm else None
         self.k_norm = RMSNorm(D, spec.rms_norm_eps, dt) if spec.qk_norm else None
         self.scaling = D ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-        """x [B, L, H] -> [B, L, H]; cos/sin [B, 1, L, D]; mask bool [B, 1, L, S] (True =
-        attend) over the S cached positions after this step's keys are written."""
+        """x [B, L, H] -> [B, L, H]; cos/sin [B, 1, L, R] (R: the rotary dims of a head); mask
+        bool [B, 1, L, S] (True = attend) over the S cached positions after this step's keys
+        are written."""
         B, L, _ = x.shape
         D = self.head_dim
         q = self.q_proj(x).view(B, L, -1, D)
@@ -173,8 +184,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write(self.layer_idx, positions, k, v)
         rep = q.shape[1] // keys.shape[1]
         if rep > 1:
@@ -252,7 +262,8 @@ class MoECausalLM(nn.Module):
 
     def init_buffers(self) -> None:
         """Compute the RoPE frequencies on the parameters' device (after loading)."""
-        inv, self.rope_scaling = rope_parameters(self.spec.hf_config, self.spec.head_dim)
+        inv, self.rope_scaling = rope_parameters(self.spec.hf_config,
+                                                 self.spec.rotary_dim or self.spec.head_dim)
         self.inv_freq = inv.to(self.embed_tokens.weight.device)
 
     @property
