@@ -19,7 +19,8 @@ family above, up to names (`tests/test_hf_swap.py` compares each one's output wi
     * as Qwen2-MoE: Qwen3-Next (Qwen3NextSparseMoeBlock), Qwen4-Exp (Qwen4ExpTextSparseMoeBlock);
     * as Qwen3-MoE: Mellum (MellumSparseMoeBlock), and Qwen3-VL-MoE
       (Qwen3VLMoeTextSparseMoeBlock), whose router always renormalizes (no `norm_topk_prob`);
-    * as OLMoE: FlexOlmo (FlexOlmoSparseMoeBlock); as Mixtral: MiniMax (MiniMaxSparseMoeBlock).
+    * as OLMoE: FlexOlmo (FlexOlmoSparseMoeBlock); as Mixtral: MiniMax-Text-01
+      (MiniMaxSparseMoeBlock; MiniMax-M2's block differs and is refused, as is Qwen3.5-MoE's).
 
 Every family stores its routed experts in the fused v5 layout that `Experts` uses as is
 (gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I], SiLU, no bias), its router
@@ -36,8 +37,8 @@ Differences from the HF module, by design:
     * The routed weights are applied and summed in fp32 (`kernels.reference.combine`); HF Qwen2/3
       and OLMoE round the weights to the activation dtype first and accumulate per expert in the
       activation dtype. In fp32 the two agree to rounding; in bf16 they differ by bf16 rounding.
-    * Mixtral's `router_jitter_noise` (training only) is not applied; a block with a nonzero
-      one warns (UserWarning) at the swap.
+    * Mixtral's (and MiniMax's) `router_jitter_noise` (training only) is not applied; a block
+      with a nonzero one warns (UserWarning, naming its family) at the swap.
     * The parameters are named as in MoELayer (`router.weight`, `shared_expert.gate.weight`,
       ...), but each replacement's state_dict uses the HF block's names (`gate.weight`,
       `shared_expert_gate.weight`, ...) and its load_state_dict takes them (state_dict hooks,
@@ -210,9 +211,11 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
         raise ValueError(f"no MoE block found in {type(model).__name__}; supported: {supported_blocks()}")
     # Build (and validate) every replacement before the first one is installed.
     new = [(path, _build_layer(fam, block, topology, kw)) for path, fam, block in found]
-    jitter = sorted({getattr(block, "jitter_noise", 0) for _, _, block in found} - {0})
-    if jitter:
-        warnings.warn(f"router_jitter_noise={jitter[0]} (Mixtral; applied by HF in training "
+    jittered = [(fam.name, block.jitter_noise) for _, fam, block in found
+                if getattr(block, "jitter_noise", 0)]
+    if jittered:
+        names = ", ".join(sorted({name for name, _ in jittered}))
+        warnings.warn(f"router_jitter_noise={jittered[0][1]} ({names}; applied by HF in training "
                       "only) is not applied by the swapped layers", stacklevel=2)
     for path, layer in new:
         if not path:
@@ -274,7 +277,8 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
     odd = {k: getattr(experts, k) for k, v in layout.items() if getattr(experts, k, v) != v}
     if odd or not _is_silu(experts.act_fn):
         raise ValueError(f"{where}: experts must be SiLU-gated, fused [gate; up], untransposed and "
-                         f"bias-free; got act_fn {type(experts.act_fn).__name__}, {odd}")
+                         f"bias-free; got act_fn {type(experts.act_fn).__name__}"
+                         + (f", {odd}" if odd else ""))
     E, H = router.weight.shape
     shared_size = 0  # also 0 for an empty HF shared MLP (DeepSeek-V3 n_shared_experts=0)
     if fam.shared is not None:
