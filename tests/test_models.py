@@ -313,6 +313,39 @@ def test_glm4_moe_spec_and_bf16_routers_kept_fp32(ckpts, tmp_path):
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 3e-2
 
 
+def test_glm4_moe_without_shared_experts_loads_quietly(tmp_path, recwarn):
+    """HF writes 0-wide shared-expert tensors for n_shared_experts=0: nothing to warn about."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from moe_runtime.models.make_checkpoint import _glm4_moe_kwargs, train_tokenizer
+    tok = train_tokenizer()
+    cfg = Glm4MoeConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                        **{**_glm4_moe_kwargs("tiny"), "n_shared_experts": 0})
+    d = str(tmp_path / "g")
+    Glm4MoeForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.1.mlp.shared_experts.up_proj.weight").get_shape()[0] == 0
+    model = load_model(d, progress=False)
+    assert model.layers[1].mlp.shared_expert is None
+    assert not [w for w in recwarn if "not used" in str(w.message)], [str(w.message) for w in recwarn]
+    out = run_requests(model, encode(d, PROMPTS[:2]), range(2), SamplingParams(max_new_tokens=6),
+                       stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS[:2], 6)
+
+
+def test_longrope_is_refused_not_computed_once():
+    """transformers switches longrope's factors by sequence length while it runs."""
+    from transformers import Qwen3MoeConfig
+
+    from moe_runtime.models.spec import rope_parameters
+    cfg = Qwen3MoeConfig(head_dim=16, max_position_embeddings=256, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8,
+        original_max_position_embeddings=64))
+    with pytest.raises(ValueError, match="'longrope' is not supported"):
+        rope_parameters(cfg, 16)
+
+
 def test_read_spec_of_both_families(ckpts):
     q, qa = read_spec(ckpts["qwen3-moe"])
     m, ma = read_spec(ckpts["mixtral"])

@@ -163,6 +163,10 @@ class CheckpointReader:
     def has(self, key: str) -> bool:
         return key in self.weight_map
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of tensor `key` (read from its file's header)."""
+        return tuple(self._open(self.weight_map[key]).get_slice(key).get_shape())
+
     def read(self, key: str, shape: tuple[int, ...], *, dim: int = 0,
              start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
         """Tensor `key`, checked to have the full `shape`, sliced to [start, stop) along `dim`.
@@ -344,8 +348,9 @@ def _untie_if_lm_head_differs(spec: ModelSpec, reader: CheckpointReader) -> Mode
 
 def _warn_unused(reader: CheckpointReader, spec: ModelSpec, arch: Architecture) -> None:
     """Warn (rank 0) about checkpoint tensors no rank reads: keys that are neither read here nor
-    another rank's experts (per-expert keys of an existing layer and expert), e.g. the layers
-    of a checkpoint with more layers than config.json's num_hidden_layers."""
+    another rank's experts (per-expert keys of an existing layer and expert) nor empty, e.g. the
+    layers of a checkpoint with more layers than config.json's num_hidden_layers (GLM-4-MoE's
+    multi-token-prediction layers)."""
     pattern = re.compile(r"model\.layers\.(\d+)\.(?:%s)\.experts\.(\d+)\."
                          % "|".join(map(re.escape, arch.moe_block_names)))
 
@@ -353,7 +358,8 @@ def _warn_unused(reader: CheckpointReader, spec: ModelSpec, arch: Architecture) 
         m = pattern.match(key)
         return m is not None and int(m[1]) < spec.num_layers and int(m[2]) < spec.moe.num_experts
 
-    unused = sorted(k for k in reader.weight_map if k not in reader.read_keys and not other_ranks(k))
+    unused = sorted(k for k in reader.weight_map if k not in reader.read_keys and not other_ranks(k)
+                    and 0 not in reader.shape(k))  # (empty: e.g. HF's 0-wide shared expert)
     if unused:
         more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
         warnings.warn(f"{reader.model_dir}: {len(unused)} checkpoint tensor(s) are not used by "

@@ -17,8 +17,9 @@ Presets:
                     float32 (the default), 28 MB in bfloat16.
     qwen3-30b-a3b   Qwen3-30B-A3B's real shapes (48 layers, 128 experts, top-8). Without
                     `force` only config.json, generation_config.json and the tokenizer are
-                    written (enough to read the spec and plan a deployment); with `force`,
-                    random bfloat16 weights too: about 61 GB on disk and more than that in RAM.
+                    written (enough to read the spec and build the model on the meta
+                    device); with `force`, random bfloat16 weights too: about 61 GB on disk
+                    and more than that in RAM.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """ModelSpec: the architecture-independent description of a MoE decoder, read from config.json.
 
-An architecture module (`qwen3_moe.py`, `mixtral.py`) turns an HF transformers config into a
-ModelSpec and names the checkpoint tensors; `transformer.py` builds the network from the spec and
-`loader.py` fills it from safetensors.
+An architecture module (`qwen3_moe.py`, `mixtral.py`, `glm4_moe.py`) turns an HF transformers
+config into a ModelSpec and names the checkpoint tensors; `transformer.py` builds the network
+from the spec and `loader.py` fills it from safetensors.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class ModelSpec:
     """Shapes and rules of one MoE decoder-only model.
 
     Attributes:
-        model_type: HF `model_type` ("qwen3_moe", "mixtral").
+        model_type: HF `model_type` ("qwen3_moe", "mixtral", "glm4_moe").
         vocab_size, hidden_size (H), num_layers: as in config.json.
         num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4-MoE's `use_qk_norm`).
@@ -79,11 +79,14 @@ def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq fp32 [head_dim // 2], attention scaling) for the config's RoPE type.
 
     "default" RoPE is computed here (theta from `rope_parameters["rope_theta"]`, or the older
-    `rope_theta` attribute); other types (yarn, linear, dynamic, ...) use transformers'
-    ROPE_INIT_FUNCTIONS so scaled checkpoints keep their numerics.
+    `rope_theta` attribute); other types (yarn, linear, llama3, dynamic, ...) use transformers'
+    ROPE_INIT_FUNCTIONS so scaled checkpoints keep their numerics ("dynamic" rescales only past
+    max_position_embeddings, which the engine does not reach).
 
     Raises:
-        ValueError: a rope_type transformers does not know.
+        ValueError: a rope_type transformers does not know, or "longrope" (HF switches its
+            short / long factors by sequence length at run time; computed once here it would
+            give other numerics silently).
     """
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
@@ -94,6 +97,10 @@ def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    if rope_type == "longrope":
+        raise ValueError("rope_type 'longrope' is not supported: transformers switches its short "
+                         "and long factors by sequence length while it runs, which the engine "
+                         "does not do")
     inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv.float(), float(scaling)
 
