@@ -33,7 +33,8 @@ class Router(CheckedModule):
 
     Buffers/parameters:
         weight: [E, H] in config.dtype, as HF `gate.weight` (or fp32 with
-            config.router_logits_fp32 when assigned so, as HF keeps GLM-4-MoE's).
+            config.router_logits_fp32 when assigned so, as HF keeps GLM-4-MoE's and
+            DeepSeek-V3's).
         e_score_correction_bias: fp32 [E] when config.use_correction_bias (DeepSeek-V3).
 
     kept_logits: None, or a list to which forward appends the logits [T, E] it computes

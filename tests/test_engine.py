@@ -157,11 +157,13 @@ def test_mixtral_tp_equals_hf_generate(ray_session, tmp_path):
 
 
 @pytest.mark.parametrize("topology", ["tp", "dp_nvlink"])
-def test_glm4_moe_equals_hf_generate(ray_session, tmp_path, topology):
-    """GLM-4.5's structure (half-rotary heads, q/k/v biases, a dense first layer, sigmoid group
-    routing with a random correction bias, a shared expert) on 2 ranks: tp splits the heads and
-    their biases, dp_nvlink the experts."""
-    d = make_checkpoint(str(tmp_path / "glm4"), "glm4-moe", "tiny")
+@pytest.mark.parametrize("arch", ["glm4-moe", "deepseek-v3"])
+def test_glm4_moe_and_deepseek_v3_equal_hf_generate(ray_session, tmp_path, arch, topology):
+    """GLM-4.5's structure (half-rotary heads, q/k/v biases) and DeepSeek-V3's (MLA: query and
+    key/value latents, interleaved RoPE, values narrower than keys), both with a dense first
+    layer, sigmoid group routing with a random correction bias and a shared expert, on 2 ranks:
+    tp splits the heads (and their biases / latent up-projections), dp_nvlink the experts."""
+    d = make_checkpoint(str(tmp_path / arch), arch, "tiny")
     with Engine(d, world_size=2, topology=topology, progress=False) as eng:
         res = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=8))
     assert ids_of(res) == hf_greedy(d, PROMPTS[:3], 8)

@@ -26,7 +26,8 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {"qwen3-moe": make_checkpoint(str(root / "qwen3"), "qwen3-moe", "tiny"),
             "mixtral": make_checkpoint(str(root / "mixtral"), "mixtral", "tiny", max_shard_size="100KB"),
-            "glm4-moe": make_checkpoint(str(root / "glm4"), "glm4-moe", "tiny")}
+            "glm4-moe": make_checkpoint(str(root / "glm4"), "glm4-moe", "tiny"),
+            "deepseek-v3": make_checkpoint(str(root / "dsv3"), "deepseek-v3", "tiny")}
 
 
 def hf_greedy(model_dir: str, prompts, max_new_tokens: int, eos_token_id=None):
@@ -50,7 +51,7 @@ def encode(model_dir, prompts):
     return [tok(p)["input_ids"] for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "glm4-moe"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "glm4-moe", "deepseek-v3"])
 def test_local_batch_greedy_equals_hf_generate(ckpts, arch):
     d = ckpts[arch]
     model = load_model(d, Parallel(), progress=False)
@@ -332,6 +333,49 @@ def test_glm4_moe_without_shared_experts_loads_quietly(tmp_path, recwarn):
     out = run_requests(model, encode(d, PROMPTS[:2]), range(2), SamplingParams(max_new_tokens=6),
                        stop_ids=[])
     assert out.token_ids == hf_greedy(d, PROMPTS[:2], 6)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),  # the make-checkpoint structure: query latent, interleaved RoPE, Dv < Dk
+    dict(q_lora_rank=None, rope_interleave=False, attention_bias=True, first_k_dense_replace=0),
+    dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                              original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                              mscale=1.0, mscale_all_dim=1.0)),
+], ids=["latent_q", "plain_q_bias_no_dense", "yarn_mscale"])
+def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant):
+    """MLA (LatentAttention) against HF's DeepseekV3ForCausalLM in fp32: every position's
+    logits of a prefill (prompts longer than yarn's original context) and greedy decoding."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from moe_runtime.engine.kv_cache import KVCache
+    from moe_runtime.models.make_checkpoint import (_deepseek_v3_kwargs,
+                                                    _randomize_correction_biases, train_tokenizer)
+    tok = train_tokenizer()
+    cfg = DeepseekV3Config(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                           **{**_deepseek_v3_kwargs("tiny"), **variant})
+    torch.manual_seed(2)
+    hf = DeepseekV3ForCausalLM(cfg)
+    _randomize_correction_biases(hf)
+    d = str(tmp_path / "ds")
+    hf.save_pretrained(d)
+    tok.save_pretrained(d)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    model = load_model(d, progress=False)
+    ids = torch.randint(0, len(tok), (2, 24), generator=torch.Generator().manual_seed(0))
+    B, L = ids.shape
+    s = model.spec
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    for last in (0, 9, L - 1):  # (yarn: 16 positions originally) a fresh prefill each
+        cache = KVCache(s.num_layers, B, s.num_kv_heads, L, s.head_dim, dtype=torch.float32,
+                        v_head_dim=s.v_head_dim)
+        ours = model(ids, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool),
+                     torch.full((B,), last), cache)
+        err = ((ours - ref[:, last]).abs().max() / ref.abs().max()).item()
+        assert err < 1e-5, (last, err)
+    out = run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(max_new_tokens=8),
+                       stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS, 8)
 
 
 def test_longrope_is_refused_not_computed_once():

@@ -7,7 +7,8 @@ import torch
 class KVCache:
     """Keys and values of this rank's kv heads for B sequences of up to `max_len` positions.
 
-    Storage per layer: k, v [B, kv_heads, max_len, head_dim] in `dtype` on `device`. Sequence b
+    Storage per layer: k [B, kv_heads, max_len, head_dim], v [..., v_head_dim] (default
+    head_dim; MLA's values are narrower than its keys) in `dtype` on `device`. Sequence b
     keeps position p in slot p (no paging); padding slots hold stale values that the causal
     mask never reads.
 
@@ -16,13 +17,17 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 *, dtype: torch.dtype, device=None):
-        if num_layers < 1 or kv_heads < 1 or max_len < 1 or head_dim < 1 or batch < 0:
+                 *, dtype: torch.dtype, device=None, v_head_dim: int | None = None):
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if (num_layers < 1 or kv_heads < 1 or max_len < 1 or head_dim < 1 or v_head_dim < 1
+                or batch < 0):
             raise ValueError(f"bad KV cache sizes: layers={num_layers} batch={batch} "
-                             f"kv_heads={kv_heads} max_len={max_len} head_dim={head_dim}")
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                             f"kv_heads={kv_heads} max_len={max_len} head_dim={head_dim} "
+                             f"v_head_dim={v_head_dim}")
+        shape = (batch, kv_heads, max_len)
+        self.k = [torch.zeros(*shape, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(*shape, v_head_dim, dtype=dtype, device=device)
+                  for _ in range(num_layers)]
         self.max_len = max_len
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -31,10 +36,10 @@ class KVCache:
         Args:
             layer: layer index.
             positions: int64 [B, L], the slot of each new token.
-            k, v: [B, kv_heads, L, head_dim].
+            k, v: [B, kv_heads, L, head_dim] and [B, kv_heads, L, v_head_dim].
 
         Returns:
-            (keys, values) [B, kv_heads, S, head_dim] with S = positions.max() + 1.
+            (keys, values) [B, kv_heads, S, head_dim / v_head_dim], S = positions.max() + 1.
 
         Raises:
             ValueError: a position at or past max_len.

@@ -109,7 +109,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     positions = torch.arange(L).expand(B, L).contiguous()
     valid = positions < lens[:, None]
     cache = KVCache(spec.num_layers, B, model.shard.kv_heads, L + params.max_new_tokens,
-                    spec.head_dim, dtype=spec.dtype, device=dev)
+                    spec.head_dim, dtype=spec.dtype, device=dev, v_head_dim=spec.v_head_dim)
     gens = request_generators(params.seed, request_ids) if params.temperature > 0 else []
     stop = set(int(s) for s in stop_ids)
     out = RankOutput(list(request_ids), [[] for _ in range(B)], ["length"] * B,

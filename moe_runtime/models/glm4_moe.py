@@ -12,26 +12,19 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MoEConfig
+from .deepseek_v3 import sigmoid_moe_config
 from .spec import Architecture, ModelSpec, common_spec_fields
 
 
 def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
-    """ModelSpec of a transformers Glm4MoeConfig (experts: `n_routed_experts`, I:
-    `moe_intermediate_size`, dense layers' width: `intermediate_size`)."""
-    I = cfg.moe_intermediate_size
-    moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=cfg.n_routed_experts,
-                    top_k=cfg.num_experts_per_tok, moe_intermediate_size=I, scoring="sigmoid",
-                    norm_topk_prob=bool(cfg.norm_topk_prob), n_group=cfg.n_group,
-                    topk_group=cfg.topk_group, routed_scaling_factor=float(cfg.routed_scaling_factor),
-                    use_correction_bias=True, router_logits_fp32=True,
-                    shared_expert_intermediate_size=I * (cfg.n_shared_experts or 0), dtype=dtype)
+    """ModelSpec of a transformers Glm4MoeConfig (the MoE as DeepSeek-V3's:
+    deepseek_v3.sigmoid_moe_config; dense layers' width `intermediate_size`)."""
     fields = common_spec_fields(cfg, dtype)
     params = getattr(cfg, "rope_parameters", None) or {}
     factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     dense = tuple(range(min(cfg.first_k_dense_replace, cfg.num_hidden_layers)))
-    return ModelSpec(qk_norm=bool(cfg.use_qk_norm), moe=moe, dense_layers=dense,
-                     dense_intermediate_size=cfg.intermediate_size,
+    return ModelSpec(qk_norm=bool(cfg.use_qk_norm), moe=sigmoid_moe_config(cfg, dtype),
+                     dense_layers=dense, dense_intermediate_size=cfg.intermediate_size,
                      rotary_dim=int(fields["head_dim"] * factor),
                      **{**fields, "o_proj_bias": False})
 

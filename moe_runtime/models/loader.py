@@ -230,6 +230,8 @@ def _tensor_loaders(model: MoECausalLM, arch: Architecture, reader: CheckpointRe
         "mlp.up_proj.weight": ((spec.dense_intermediate_size, H), 0, None),
         "mlp.down_proj.weight": ((H, spec.dense_intermediate_size), 0, None),
     }
+    if spec.mla is not None:
+        full.update(_latent_attention_shapes(spec, sh))
     top = {"embed_tokens.weight": ("model.embed_tokens.weight", (V, H)),
            "norm.weight": ("model.norm.weight", (H,)), "lm_head.weight": ("lm_head.weight", (V, H))}
 
@@ -321,6 +323,26 @@ def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, d
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers()
     return model.eval()
+
+
+def _latent_attention_shapes(spec: ModelSpec, sh) -> dict:
+    """`_tensor_loaders`' entries of MLA's attention (transformer.LatentAttention): the per-head
+    projections sliced to this rank's heads, the latent ones whole."""
+    m, H = spec.mla, spec.hidden_size
+    Hq, Dk, Dkv = spec.num_heads, spec.head_dim, m.qk_nope_head_dim + m.v_head_dim
+    heads = (sh.q_start, sh.q_start + sh.q_heads)
+    rows = lambda width: (heads[0] * width, heads[1] * width)  # noqa: E731
+    out = {"self_attn.kv_a_proj_with_mqa.weight": ((m.kv_lora_rank + m.qk_rope_head_dim, H), 0, None),
+           "self_attn.kv_a_proj_with_mqa.bias": ((m.kv_lora_rank + m.qk_rope_head_dim,), 0, None),
+           "self_attn.kv_a_layernorm.weight": ((m.kv_lora_rank,), 0, None),
+           "self_attn.kv_b_proj.weight": ((Hq * Dkv, m.kv_lora_rank), 0, rows(Dkv)),
+           "self_attn.o_proj.weight": ((H, Hq * m.v_head_dim), 1, rows(m.v_head_dim))}
+    if m.q_lora_rank:
+        out.update({"self_attn.q_a_proj.weight": ((m.q_lora_rank, H), 0, None),
+                    "self_attn.q_a_proj.bias": ((m.q_lora_rank,), 0, None),
+                    "self_attn.q_a_layernorm.weight": ((m.q_lora_rank,), 0, None),
+                    "self_attn.q_b_proj.weight": ((Hq * Dk, m.q_lora_rank), 0, rows(Dk))})
+    return out
 
 
 def _param_dtype(name: str, spec: ModelSpec, arch: Architecture) -> torch.dtype:

@@ -8,8 +8,9 @@ transformers' PreTrainedTokenizerFast so `AutoTokenizer.from_pretrained(out_dir)
 The directory and its files get the modes a plain mkdir / open would give (0777 / 0666 less the
 process umask, typically 0755 / 0644), so Ray workers on other nodes can read a shared copy.
 
-Architectures: qwen3-moe, mixtral, glm4-moe (GLM-4.5's structure; its routers' correction
-biases get random values, as a trained checkpoint's are nonzero).
+Architectures: qwen3-moe, mixtral, glm4-moe (GLM-4.5's structure), deepseek-v3 (DeepSeek-V3's:
+MLA); the routers' correction biases of the last two get random values, as a trained
+checkpoint's are nonzero.
 
 Presets:
     tiny            a few hundred KB; the CI numerics tests and `moe-runtime demo` use it.
@@ -29,7 +30,8 @@ import shutil
 import tempfile
 from typing import Optional, Union
 
-ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "mixtral": "mixtral", "glm4-moe": "glm4_moe"}
+ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "mixtral": "mixtral", "glm4-moe": "glm4_moe",
+              "deepseek-v3": "deepseek_v3"}
 PRESETS = ("tiny", "small", "qwen3-30b-a3b")
 EOS_TOKEN = "<|endoftext|>"
 
@@ -148,7 +150,27 @@ def _glm4_moe_kwargs(preset: str) -> dict:
                 max_position_embeddings=2048, **common)
 
 
-_KWARGS = {"qwen3-moe": _qwen3_kwargs, "mixtral": _mixtral_kwargs, "glm4-moe": _glm4_moe_kwargs}
+def _deepseek_v3_kwargs(preset: str) -> dict:
+    """DeepSeek-V3's structure at small sizes: MLA with a query latent and interleaved RoPE,
+    values narrower than keys, a dense first layer, sigmoid routing over expert groups, one
+    shared expert."""
+    common = dict(first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                  norm_topk_prob=True, rope_interleave=True)
+    if preset == "tiny":
+        return dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                    topk_group=1, max_position_embeddings=512, **common)
+    return dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                v_head_dim=32, n_routed_experts=32, num_experts_per_tok=4, n_group=4,
+                topk_group=2, max_position_embeddings=2048, **common)
+
+
+_KWARGS = {"qwen3-moe": _qwen3_kwargs, "mixtral": _mixtral_kwargs, "glm4-moe": _glm4_moe_kwargs,
+           "deepseek-v3": _deepseek_v3_kwargs}
 
 
 def train_tokenizer(vocab_size: int = 512):
@@ -185,7 +207,7 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
 
     Args:
-        arch: "qwen3-moe", "mixtral" or "glm4-moe".
+        arch: "qwen3-moe", "mixtral", "glm4-moe" or "deepseek-v3".
         preset: "tiny", "small" or "qwen3-30b-a3b" (Qwen3-MoE only).
         seed: torch seed of the random weights.
         dtype: "float32" (default for tiny/small) or "bfloat16" (default for qwen3-30b-a3b).
@@ -245,8 +267,9 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
 
 
 def _randomize_correction_biases(model) -> None:
-    """Routers with an e_score_correction_bias (GLM-4-MoE) start it at 0 in transformers; a
-    trained checkpoint's is not, so give it N(0, 0.5^2) values: routing then depends on it."""
+    """Routers with an e_score_correction_bias (GLM-4-MoE, DeepSeek-V3) start it at 0 in
+    transformers; a trained checkpoint's is not, so give it N(0, 0.5^2) values: routing then
+    depends on it."""
     import torch
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):

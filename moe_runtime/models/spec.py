@@ -1,8 +1,8 @@
 """ModelSpec: the architecture-independent description of a MoE decoder, read from config.json.
 
-An architecture module (`qwen3_moe.py`, `mixtral.py`, `glm4_moe.py`) turns an HF transformers
-config into a ModelSpec and names the checkpoint tensors; `transformer.py` builds the network
-from the spec and `loader.py` fills it from safetensors.
+An architecture module (`qwen3_moe.py`, `mixtral.py`, `glm4_moe.py`, `deepseek_v3.py`) turns an
+HF transformers config into a ModelSpec and names the checkpoint tensors; `transformer.py`
+builds the network from the spec and `loader.py` fills it from safetensors.
 """
 from __future__ import annotations
 
@@ -15,11 +15,33 @@ from ..config import MoEConfig
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention sizes (DeepSeek-V3; models/deepseek_v3.py).
+
+    Attributes:
+        q_lora_rank: rank of the query compression (None: a plain q_proj).
+        kv_lora_rank: rank of the shared key/value latent.
+        qk_nope_head_dim, qk_rope_head_dim: per-head query/key dims without and with RoPE.
+        v_head_dim: per-head value dim.
+        rope_interleave: RoPE on interleaved pairs (HF apply_rotary_pos_emb_interleave).
+        softmax_scale: the attention scale (qk_head_dim^-0.5, times yarn's mscale^2).
+    """
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes and rules of one MoE decoder-only model.
 
     Attributes:
-        model_type: HF `model_type` ("qwen3_moe", "mixtral", "glm4_moe").
+        model_type: HF `model_type` ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3").
         vocab_size, hidden_size (H), num_layers: as in config.json.
         num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4-MoE's `use_qk_norm`).
@@ -27,7 +49,11 @@ class ModelSpec:
         o_proj_bias: o_proj carries a bias (Llama-style configs: as attention_bias; GLM-4-MoE:
             never).
         rotary_dim: RoPE rotates the first rotary_dim dims of each head (GLM-4-MoE:
-            head_dim * partial_rotary_factor); 0 = all of head_dim.
+            head_dim * partial_rotary_factor; DeepSeek-V3: qk_rope_head_dim); 0 = all of
+            head_dim.
+        mla: multi-head latent attention (DeepSeek-V3) instead of GQA, or None. Then head_dim
+            is the key dim (qk_nope + qk_rope), num_kv_heads = num_heads and v_head_dim the
+            value dim.
         rms_norm_eps: epsilon of every RMSNorm.
         sliding_window: attend to at most this many previous positions (None = full causal).
         max_position_embeddings: the longest prompt + generation the engine accepts.
@@ -55,6 +81,7 @@ class ModelSpec:
     moe: MoEConfig
     o_proj_bias: bool = False
     rotary_dim: int = 0
+    mla: Optional[MLA] = None
     dense_layers: tuple[int, ...] = ()
     dense_intermediate_size: int = 0
     tie_word_embeddings: bool = False
@@ -64,6 +91,11 @@ class ModelSpec:
     @property
     def dtype(self) -> torch.dtype:
         return self.moe.dtype
+
+    @property
+    def v_head_dim(self) -> int:
+        """Per-head value dim (head_dim but for MLA)."""
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
 
 
 def eos_ids(value) -> tuple[int, ...]:

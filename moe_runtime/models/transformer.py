@@ -136,6 +136,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... of x [..., R], output de-interleaved
+    (rotated evens, then rotated odds), as HF's apply_rotary_pos_emb_interleave (DeepSeek-V3);
+    cos/sin [..., R] hold each pair's angle in their first half."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) -> torch.Tensor:
+    """Write k, v into the cache, attend (GQA: kv heads repeated), then o_proj (row-parallel:
+    all-reduce under tp, bias once after it). q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v
+    [B, kv_heads, L, Dv] -> [B, L, H]."""
+    B, L = q.shape[0], q.shape[2]
+    keys, values = cache.write(module.layer_idx, positions, k, v)
+    rep = q.shape[1] // keys.shape[1]
+    if rep > 1:
+        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = F.linear(out.transpose(1, 2).reshape(B, L, -1), module.o_proj.weight)
+    if module.parallel.tensor_parallel:
+        from ..comm import all_reduce_sum
+        all_reduce_sum(out, group=module.parallel.group, timeout_s=module.parallel.timeout_s,
+                       step=f"layer {module.layer_idx} attention o_proj all_reduce")
+    if module.o_proj.bias is not None:
+        out = out + module.o_proj.bias
+    return out
+
+
 class DenseMLP(nn.Module):
     """SwiGLU MLP of the dense (non-MoE) layers: down(silu(gate(x)) * up(x)), replicated."""
 
@@ -185,19 +215,56 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(self.layer_idx, positions, k, v)
-        rep = q.shape[1] // keys.shape[1]
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-        out = F.linear(out.transpose(1, 2).reshape(B, L, -1), self.o_proj.weight)
-        if self.parallel.tensor_parallel:
-            from ..comm import all_reduce_sum
-            all_reduce_sum(out, group=self.parallel.group, timeout_s=self.parallel.timeout_s,
-                           step=f"layer {self.layer_idx} attention o_proj all_reduce")
-        if self.o_proj.bias is not None:
-            out = out + self.o_proj.bias
-        return out
+        return _attend(self, q, k, v, positions, mask, cache, self.scaling)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V3; models/deepseek_v3.py) over this rank's heads.
+
+    Parameters (HF names; per-head rows / columns of this rank's heads only; Dk = qk_nope +
+    qk_rope, Dv = v_head_dim, h = this rank's heads):
+        q_a_proj.weight [q_lora, H], q_a_layernorm.weight [q_lora], q_b_proj.weight [h*Dk,
+        q_lora] (or q_proj.weight [h*Dk, H] without q_lora_rank), kv_a_proj_with_mqa.weight
+        [kv_lora + qk_rope, H], kv_a_layernorm.weight [kv_lora], kv_b_proj.weight
+        [h*(qk_nope + Dv), kv_lora], o_proj.weight [H, h*Dv]; q_a_proj, kv_a_proj_with_mqa and
+        o_proj carry a bias with spec.attention_bias. The latent projections are replicated.
+    """
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, shard: HeadShard, parallel: Parallel):
+        super().__init__()
+        m, H, b, dt, h = spec.mla, spec.hidden_size, spec.attention_bias, spec.dtype, shard.q_heads
+        self.layer_idx, self.shard, self.parallel, self.mla = layer_idx, shard, parallel, m
+        Dk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            self.q_a_proj = nn.Linear(H, m.q_lora_rank, bias=b, dtype=dt)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, spec.rms_norm_eps, dt)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, h * Dk, bias=False, dtype=dt)
+        else:
+            self.q_proj = nn.Linear(H, h * Dk, bias=False, dtype=dt)
+        self.kv_a_proj_with_mqa = nn.Linear(H, m.kv_lora_rank + m.qk_rope_head_dim, bias=b, dtype=dt)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, spec.rms_norm_eps, dt)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim),
+                                   bias=False, dtype=dt)
+        self.o_proj = nn.Linear(h * m.v_head_dim, H, bias=b, dtype=dt)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """As Attention.forward; cos/sin [B, 1, L, qk_rope]."""
+        m = self.mla
+        B, L, _ = x.shape
+        nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank
+             else self.q_proj(x)).view(B, L, -1, nope + rope).transpose(1, 2)
+        q_pass, q_rot = q.split((nope, rope), dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split((m.kv_lora_rank, rope), dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, L, -1, nope + m.v_head_dim)
+        k_pass, v = kv.transpose(1, 2).split((nope, m.v_head_dim), dim=-1)
+        k_rot = k_rot.view(B, 1, L, rope)
+        turn = apply_rope_interleaved if m.rope_interleave else apply_rope
+        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot, cos, sin)
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
+        return _attend(self, q, k, v, positions, mask, cache, m.softmax_scale)
 
 
 class DecoderLayer(nn.Module):
@@ -208,7 +275,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, dt = spec.rms_norm_eps, spec.dtype
         self.input_layernorm = RMSNorm(spec.hidden_size, eps, dt)
-        self.self_attn = Attention(spec, layer_idx, shard, parallel)
+        self.self_attn = (LatentAttention if spec.mla is not None else Attention)(
+            spec, layer_idx, shard, parallel)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, dt)
         if layer_idx in spec.dense_layers:
             self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, dt)

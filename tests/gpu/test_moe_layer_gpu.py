@@ -281,17 +281,18 @@ def test_a_cast_drops_graphs_that_would_not_be_host_sync_free():
 
 # --- the engine's own model (moe_runtime.models) on CUDA ----------------------------------------
 @torch.inference_mode()
-def test_glm4_moe_engine_model_follows_hf_in_bf16(tmp_path):
-    """GLM-4.5's structure (make-checkpoint glm4-moe: half-rotary heads, q/k/v biases, a dense
-    first layer, sigmoid group routing with random correction biases, a shared expert) loaded
-    by the engine on CUDA in bf16 (MoE layers on the cute backend, routers fp32): last-position
-    prefill logits against HF's bf16 model on the same GPU."""
+@pytest.mark.parametrize("arch", ["glm4-moe", "deepseek-v3"])
+def test_engine_model_follows_hf_in_bf16(tmp_path, arch):
+    """GLM-4.5's and DeepSeek-V3's structures (make-checkpoint: half-rotary heads with q/k/v
+    biases, or MLA; a dense first layer, sigmoid group routing with random correction biases, a
+    shared expert) loaded by the engine on CUDA in bf16 (MoE layers on the cute backend,
+    routers fp32): last-position prefill logits against HF's bf16 model on the same GPU."""
     from transformers import AutoModelForCausalLM
 
     from moe_runtime.engine.kv_cache import KVCache
     from moe_runtime.models import load_model
     from moe_runtime.models.make_checkpoint import make_checkpoint
-    d = make_checkpoint(str(tmp_path / "glm4"), "glm4-moe", "tiny")
+    d = make_checkpoint(str(tmp_path / arch), arch, "tiny")
     model = load_model(d, dtype="bfloat16", device=DEV, progress=False)
     assert all(l.mlp.host_sync_free() for l in model.layers[1:])  # the cute path
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(DEV).eval()
@@ -299,7 +300,8 @@ def test_glm4_moe_engine_model_follows_hf_in_bf16(tmp_path):
                         generator=torch.Generator(device=DEV).manual_seed(5))
     B, L = ids.shape
     s = model.spec
-    cache = KVCache(s.num_layers, B, s.num_kv_heads, L, s.head_dim, dtype=torch.bfloat16, device=DEV)
+    cache = KVCache(s.num_layers, B, s.num_kv_heads, L, s.head_dim, dtype=torch.bfloat16, device=DEV,
+                    v_head_dim=s.v_head_dim)
     ours = model(ids, torch.arange(L, device=DEV).expand(B, L), torch.ones(B, L, dtype=torch.bool, device=DEV),
                  torch.full((B,), L - 1, device=DEV), cache)
     ref = hf(ids).logits[:, -1].float()
