@@ -205,7 +205,8 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
         if args.attention is not None and args.topology != "auto":
             raise ValueError(f"--attention applies to --topology auto only; topology "
                              f"{args.topology!r} fixes how attention is split")
-        check_world_size(spec, world_size)
+        check_world_size(spec, world_size, args.topology == "tp" or (
+            args.topology == "auto" and args.attention == "tp"))
         if args.topology != "auto":
             choose_topology(args.topology, world_size)
     except ValueError as e:

@@ -341,7 +341,8 @@ def test_glm4_moe_without_shared_experts_loads_quietly(tmp_path, recwarn):
     dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                               original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
                               mscale=1.0, mscale_all_dim=1.0)),
-], ids=["latent_q", "plain_q_bias_no_dense", "yarn_mscale"])
+    dict(rms_norm_eps=1e-2),  # (HF's latent norms keep eps 1e-6)
+], ids=["latent_q", "plain_q_bias_no_dense", "yarn_mscale", "rms_norm_eps"])
 def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant):
     """MLA (LatentAttention) against HF's DeepseekV3ForCausalLM in fp32: every position's
     logits of a prefill (prompts longer than yarn's original context) and greedy decoding."""
@@ -376,6 +377,23 @@ def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant):
     out = run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(max_new_tokens=8),
                        stop_ids=[])
     assert out.token_ids == hf_greedy(d, PROMPTS, 8)
+
+
+def test_non_silu_activation_and_unsplittable_heads_are_refused_up_front(ckpts):
+    """A gelu config would run with SiLU MLPs silently; tp with heads the ranks cannot split
+    fails in the driver, before Ray starts."""
+    from dataclasses import replace
+
+    from transformers import Qwen3MoeConfig
+
+    from moe_runtime.engine.driver import check_world_size
+    from moe_runtime.models import qwen3_moe
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        qwen3_moe.spec_from_config(Qwen3MoeConfig(hidden_act="gelu"), torch.float32)
+    spec = replace(read_spec(ckpts["qwen3-moe"])[0], num_heads=6)
+    check_world_size(spec, 4)  # (dp: heads not split)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must be divisible by the world size \(4\)"):
+        check_world_size(spec, 4, tensor_parallel=True)
 
 
 def test_longrope_is_refused_not_computed_once():

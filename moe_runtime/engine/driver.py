@@ -139,12 +139,16 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
                          f"({max_new_tokens}) exceeds max_position_embeddings ({limit})")
 
 
-def check_world_size(spec, world_size: int) -> None:
+def check_world_size(spec, world_size: int, tensor_parallel: bool = False) -> None:
     """ValueError unless world_size divides the checkpoint's experts (spec: its ModelSpec):
-    experts are split evenly across the ranks."""
+    experts are split evenly across the ranks; with tensor_parallel (attention split by heads:
+    topology tp) also unless the heads split (models.head_shard's rule)."""
     if spec.moe.num_experts % world_size:
         raise ValueError(f"num_experts ({spec.moe.num_experts}) must be divisible by world_size "
                          f"({world_size}): experts are split evenly across ranks")
+    if tensor_parallel and world_size > 1:
+        from ..models import Parallel, head_shard
+        head_shard(spec, Parallel("tp", 0, world_size))
 
 
 def check_weights(model_dir: str) -> None:
@@ -269,7 +273,8 @@ class Engine:
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
         check_weights(model_dir)  # so do missing weights
-        check_world_size(self.spec, world_size)
+        check_world_size(self.spec, world_size, topology == "tp" or (
+            topology == "auto" and attention == "tp"))
         self.tokenizer = load_tokenizer(model_dir)  # and a missing tokenizer
         try:
             self._start_ray(ray_address, device, ray_init_kwargs or {})

@@ -4,7 +4,7 @@
     model = load_model(model_dir, parallel, ...)      # this rank's share of the safetensors
 
 Registered families: Qwen3-MoE (`qwen3_moe`), Mixtral (`mixtral`), GLM-4-MoE (`glm4_moe`:
-GLM-4.5 / 4.6 / 4.7) and DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3 / R1, Kimi-K2).
+GLM-4.5 / 4.6 / 4.7) and DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3 / R1).
 """
 from __future__ import annotations
 

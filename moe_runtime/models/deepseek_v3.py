@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1 (and Kimi-K2, which uses its classes): multi-head latent attention (MLA),
+"""DeepSeek-V3 / R1: multi-head latent attention (MLA),
 dense SwiGLU MLPs in the first `first_k_dense_replace` layers, then MoE blocks with fp32 router
 logits, sigmoid scores + e_score_correction_bias, group-limited top-k, routed_scaling_factor and
 `n_shared_experts` ungated shared experts.
@@ -7,8 +7,10 @@ MLA (transformers 5.x `models/deepseek_v3`, DeepseekV3Attention): q = q_b_proj(R
 q_a_proj(x))) (or q_proj(x) without `q_lora_rank`), per head [qk_nope | qk_rope]; one latent
 kv_a_proj_with_mqa(x) = [kv_lora | k_rope] shared by all heads, kv_b_proj(RMSNorm(kv_lora)) =
 per head [k_nope | v]; RoPE (interleaved pairs when `rope_interleave`) on q_rope and k_rope;
-softmax scale qk_head_dim^-0.5 times yarn's mscale^2. The engine caches each rank's expanded
-keys [qk_nope + qk_rope] and values [v_head_dim] per head (not the latent). The router weight
+softmax scale qk_head_dim^-0.5 times yarn's mscale^2; the two latent RMSNorms use eps 1e-6
+whatever rms_norm_eps (as HF builds them). The engine caches each rank's expanded keys
+[qk_nope + qk_rope] and values [v_head_dim] per head, not the latent: for DeepSeek-V3's sizes
+128 * (192 + 128) values per token and layer against the latent's 512 + 64 (~70x). The router weight
 and correction bias stay float32 in a bf16 model (`_keep_in_fp32_modules_strict`); the
 checkpoints' multi-token-prediction layer (index num_hidden_layers) is not part of the model.
 """

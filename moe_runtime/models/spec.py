@@ -164,7 +164,14 @@ class Architecture:
 
 
 def common_spec_fields(cfg, dtype: torch.dtype) -> dict:
-    """The ModelSpec fields every Llama-style HF config spells the same way."""
+    """The ModelSpec fields every Llama-style HF config spells the same way.
+
+    Raises:
+        ValueError: a `hidden_act` other than SiLU (the engine's MLPs and experts are SwiGLU)."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported: the engine's MLPs and experts "
+                         "are SiLU-gated (SwiGLU)")
     heads = cfg.num_attention_heads
     return dict(
         model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

@@ -218,6 +218,9 @@ class Attention(nn.Module):
         return _attend(self, q, k, v, positions, mask, cache, self.scaling)
 
 
+LATENT_NORM_EPS = 1e-6  # HF builds MLA's latent RMSNorms with its default eps, not rms_norm_eps
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V3; models/deepseek_v3.py) over this rank's heads.
 
@@ -237,12 +240,12 @@ class LatentAttention(nn.Module):
         Dk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
             self.q_a_proj = nn.Linear(H, m.q_lora_rank, bias=b, dtype=dt)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, spec.rms_norm_eps, dt)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, dt)
             self.q_b_proj = nn.Linear(m.q_lora_rank, h * Dk, bias=False, dtype=dt)
         else:
             self.q_proj = nn.Linear(H, h * Dk, bias=False, dtype=dt)
         self.kv_a_proj_with_mqa = nn.Linear(H, m.kv_lora_rank + m.qk_rope_head_dim, bias=b, dtype=dt)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, spec.rms_norm_eps, dt)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, dt)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim),
                                    bias=False, dtype=dt)
         self.o_proj = nn.Linear(h * m.v_head_dim, H, bias=b, dtype=dt)
