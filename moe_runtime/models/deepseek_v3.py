@@ -1,7 +1,7 @@
-"""DeepSeek-V3 / R1: multi-head latent attention (MLA),
-dense SwiGLU MLPs in the first `first_k_dense_replace` layers, then MoE blocks with fp32 router
-logits, sigmoid scores + e_score_correction_bias, group-limited top-k, routed_scaling_factor and
-`n_shared_experts` ungated shared experts.
+"""DeepSeek-V3 / R1: multi-head latent attention (MLA), dense SwiGLU MLPs in the first
+`first_k_dense_replace` layers, then MoE blocks with fp32 router logits, sigmoid scores +
+e_score_correction_bias, group-limited top-k, routed_scaling_factor and `n_shared_experts`
+ungated shared experts.
 
 MLA (transformers 5.x `models/deepseek_v3`, DeepseekV3Attention): q = q_b_proj(RMSNorm(
 q_a_proj(x))) (or q_proj(x) without `q_lora_rank`), per head [qk_nope | qk_rope]; one latent
@@ -10,8 +10,8 @@ per head [k_nope | v]; RoPE (interleaved pairs when `rope_interleave`) on q_rope
 softmax scale qk_head_dim^-0.5 times yarn's mscale^2; the two latent RMSNorms use eps 1e-6
 whatever rms_norm_eps (as HF builds them). The engine caches each rank's expanded keys
 [qk_nope + qk_rope] and values [v_head_dim] per head, not the latent: for DeepSeek-V3's sizes
-128 * (192 + 128) values per token and layer against the latent's 512 + 64 (~70x). The router weight
-and correction bias stay float32 in a bf16 model (`_keep_in_fp32_modules_strict`); the
+128 * (192 + 128) values per token and layer against the latent's 512 + 64 (~70x). The router
+weight and correction bias stay float32 in a bf16 model (`_keep_in_fp32_modules_strict`); the
 checkpoints' multi-token-prediction layer (index num_hidden_layers) is not part of the model.
 """
 from __future__ import annotations
