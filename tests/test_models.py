@@ -304,9 +304,7 @@ def test_glm4_moe_spec_and_bf16_routers_kept_fp32(ckpts, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
     ids = torch.tensor([encode(d, PROMPTS[:1])[0]])
     L = ids.shape[1]
-    from moe_runtime.engine.kv_cache import KVCache
-    cache = KVCache(spec.num_layers, 1, spec.num_kv_heads, L, spec.head_dim, dtype=torch.bfloat16,
-                    device="cpu")
+    cache = model.new_cache(1, L)
     ours = model(ids, torch.arange(L)[None], torch.ones(1, L, dtype=torch.bool),
                  torch.tensor([L - 1]), cache)
     with torch.no_grad():
@@ -348,7 +346,6 @@ def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant):
     logits of a prefill (prompts longer than yarn's original context) and greedy decoding."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from moe_runtime.engine.kv_cache import KVCache
     from moe_runtime.models.make_checkpoint import (_deepseek_v3_kwargs,
                                                     _randomize_correction_biases, train_tokenizer)
     tok = train_tokenizer()
@@ -364,12 +361,10 @@ def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant):
     model = load_model(d, progress=False)
     ids = torch.randint(0, len(tok), (2, 24), generator=torch.Generator().manual_seed(0))
     B, L = ids.shape
-    s = model.spec
     with torch.no_grad():
         ref = hf(ids).logits.float()
     for last in (0, 9, L - 1):  # (yarn: 16 positions originally) a fresh prefill each
-        cache = KVCache(s.num_layers, B, s.num_kv_heads, L, s.head_dim, dtype=torch.float32,
-                        v_head_dim=s.v_head_dim)
+        cache = model.new_cache(B, L)
         ours = model(ids, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool),
                      torch.full((B,), last), cache)
         err = ((ours - ref[:, last]).abs().max() / ref.abs().max()).item()
@@ -394,6 +389,26 @@ def test_non_silu_activation_and_unsplittable_heads_are_refused_up_front(ckpts):
     check_world_size(spec, 4)  # (dp: heads not split)
     with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must be divisible by the world size \(4\)"):
         check_world_size(spec, 4, tensor_parallel=True)
+
+
+def test_deepseek_v3_caches_the_latent_and_follows_hf_in_bf16(ckpts):
+    """The MLA cache holds one latent head [kv_lora + qk_rope] per position (no per-head keys,
+    no separate values: ~70x less than expanded keys and values at DeepSeek-V3's sizes); in
+    bf16 (routers fp32) the prefill logits follow HF's bf16 model."""
+    from transformers import AutoModelForCausalLM
+    d = ckpts["deepseek-v3"]
+    model = load_model(d, dtype="bfloat16", progress=False)
+    m = model.spec.mla
+    ids = torch.randint(0, model.spec.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
+    B, L = ids.shape
+    cache = model.new_cache(B, L)
+    assert cache.v is None and cache.k[0].shape == (B, 1, L, m.kv_lora_rank + m.qk_rope_head_dim)
+    ours = model(ids, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool),
+                 torch.full((B,), L - 1), cache)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref = hf(ids).logits[:, -1].float()
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 3e-2
 
 
 def test_longrope_is_refused_not_computed_once():

@@ -7,7 +7,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .kv_cache import KVCache
 from .sampler import SamplingParams, request_generators, sample
 
 
@@ -108,8 +107,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         ids[b, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
     positions = torch.arange(L).expand(B, L).contiguous()
     valid = positions < lens[:, None]
-    cache = KVCache(spec.num_layers, B, model.shard.kv_heads, L + params.max_new_tokens,
-                    spec.head_dim, dtype=spec.dtype, device=dev, v_head_dim=spec.v_head_dim)
+    cache = model.new_cache(B, L + params.max_new_tokens, device=dev)
     gens = request_generators(params.seed, request_ids) if params.temperature > 0 else []
     stop = set(int(s) for s in stop_ids)
     out = RankOutput(list(request_ids), [[] for _ in range(B)], ["length"] * B,

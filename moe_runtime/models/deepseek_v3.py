@@ -8,9 +8,10 @@ q_a_proj(x))) (or q_proj(x) without `q_lora_rank`), per head [qk_nope | qk_rope]
 kv_a_proj_with_mqa(x) = [kv_lora | k_rope] shared by all heads, kv_b_proj(RMSNorm(kv_lora)) =
 per head [k_nope | v]; RoPE (interleaved pairs when `rope_interleave`) on q_rope and k_rope;
 softmax scale qk_head_dim^-0.5 times yarn's mscale^2; the two latent RMSNorms use eps 1e-6
-whatever rms_norm_eps (as HF builds them). The engine caches each rank's expanded keys
-[qk_nope + qk_rope] and values [v_head_dim] per head, not the latent: for DeepSeek-V3's sizes
-128 * (192 + 128) values per token and layer against the latent's 512 + 64 (~70x). The router
+whatever rms_norm_eps (as HF builds them). The engine caches the latent, [kv_lora | rotated
+k_rope] per position and layer (512 + 64 values at DeepSeek-V3's sizes, where HF's per-head
+keys and values take 128 * (192 + 128), ~70x), and absorbs kv_b_proj into the query and the
+output (transformer.LatentAttention). The router
 weight and correction bias stay float32 in a bf16 model (`_keep_in_fp32_modules_strict`); the
 checkpoints' multi-token-prediction layer (index num_hidden_layers) is not part of the model.
 """

@@ -147,16 +147,20 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) -> torch.Tensor:
-    """Write k, v into the cache, attend (GQA: kv heads repeated), then o_proj (row-parallel:
-    all-reduce under tp, bias once after it). q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v
-    [B, kv_heads, L, Dv] -> [B, L, H]."""
-    B, L = q.shape[0], q.shape[2]
+    """Write k, v into the cache and attend over the cached prefix (kv heads repeated for GQA).
+    q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v [B, kv_heads, L, Dv] (None: the cache's
+    values are its keys' first Dv dims) -> [B, heads, L, Dv]."""
     keys, values = cache.write(module.layer_idx, positions, k, v)
     rep = q.shape[1] // keys.shape[1]
     if rep > 1:
         keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    out = F.linear(out.transpose(1, 2).reshape(B, L, -1), module.o_proj.weight)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+def _project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """o_proj of out [B, L, heads * Dv] -> [B, L, H] (row-parallel: all-reduce under tp, its
+    bias added once after it)."""
+    out = F.linear(out, module.o_proj.weight)
     if module.parallel.tensor_parallel:
         from ..comm import all_reduce_sum
         all_reduce_sum(out, group=module.parallel.group, timeout_s=module.parallel.timeout_s,
@@ -215,7 +219,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return _attend(self, q, k, v, positions, mask, cache, self.scaling)
+        out = _attend(self, q, k, v, positions, mask, cache, self.scaling)
+        return _project_out(self, out.transpose(1, 2).reshape(B, L, -1))
 
 
 LATENT_NORM_EPS = 1e-6  # HF builds MLA's latent RMSNorms with its default eps, not rms_norm_eps
@@ -252,22 +257,27 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-        """As Attention.forward; cos/sin [B, 1, L, qk_rope]."""
+        """As Attention.forward; cos/sin [B, 1, L, qk_rope]; `cache` holds the latent
+        (MoECausalLM.new_cache: one head of [kv_lora | rotated k_rope], values its first
+        kv_lora dims). kv_b_proj is absorbed (DeepSeek-V2 paper, appendix C): scores
+        q_nope . (W_UK c) = (q_nope W_UK) . c, and the output W_UV (P c), so keys and values
+        are never expanded per head."""
         m = self.mla
         B, L, _ = x.shape
-        nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        nope, rope, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank
              else self.q_proj(x)).view(B, L, -1, nope + rope).transpose(1, 2)
         q_pass, q_rot = q.split((nope, rope), dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split((m.kv_lora_rank, rope), dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, L, -1, nope + m.v_head_dim)
-        k_pass, v = kv.transpose(1, 2).split((nope, m.v_head_dim), dim=-1)
-        k_rot = k_rot.view(B, 1, L, rope)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split((C, rope), dim=-1)
+        latent = self.kv_a_layernorm(latent).view(B, 1, L, C)
         turn = apply_rope_interleaved if m.rope_interleave else apply_rope
-        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot, cos, sin)
-        q = torch.cat((q_pass, q_rot), dim=-1)
-        k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
-        return _attend(self, q, k, v, positions, mask, cache, m.softmax_scale)
+        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, L, rope), cos, sin)
+        w = self.kv_b_proj.weight.view(q.shape[1], nope + m.v_head_dim, C)  # this rank's heads
+        q_latent = torch.einsum("bhld,hdc->bhlc", q_pass, w[:, :nope])
+        ctx = _attend(self, torch.cat((q_latent, q_rot), dim=-1), torch.cat((latent, k_rot), dim=-1),
+                      None, positions, mask, cache, m.softmax_scale)  # [B, heads, L, C]
+        out = torch.einsum("bhlc,hvc->blhv", ctx, w[:, nope:])
+        return _project_out(self, out.reshape(B, L, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -330,6 +340,20 @@ class MoECausalLM(nn.Module):
         self.rope_scaling = 1.0
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def new_cache(self, batch: int, max_len: int, device=None):
+        """An empty engine.kv_cache.KVCache for `batch` sequences of up to max_len positions,
+        laid out as this rank's attention reads it: per kv head keys [head_dim] and values
+        [v_head_dim]; for MLA one latent head of [kv_lora + qk_rope] whose first kv_lora dims
+        are the values (LatentAttention)."""
+        from ..engine.kv_cache import KVCache
+        s, m = self.spec, self.spec.mla
+        if m is not None:
+            return KVCache(s.num_layers, batch, 1, max_len, m.kv_lora_rank + m.qk_rope_head_dim,
+                           dtype=s.dtype, device=device, v_head_dim=m.kv_lora_rank,
+                           values_in_keys=True)
+        return KVCache(s.num_layers, batch, self.shard.kv_heads, max_len, s.head_dim,
+                       dtype=s.dtype, device=device, v_head_dim=s.v_head_dim)
 
     def init_buffers(self) -> None:
         """Compute the RoPE frequencies on the parameters' device (after loading)."""

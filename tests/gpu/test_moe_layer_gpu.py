@@ -289,7 +289,6 @@ def test_engine_model_follows_hf_in_bf16(tmp_path, arch):
     routers fp32): last-position prefill logits against HF's bf16 model on the same GPU."""
     from transformers import AutoModelForCausalLM
 
-    from moe_runtime.engine.kv_cache import KVCache
     from moe_runtime.models import load_model
     from moe_runtime.models.make_checkpoint import make_checkpoint
     d = make_checkpoint(str(tmp_path / arch), arch, "tiny")
@@ -299,9 +298,7 @@ def test_engine_model_follows_hf_in_bf16(tmp_path, arch):
     ids = torch.randint(0, model.spec.vocab_size, (3, 12), device=DEV,
                         generator=torch.Generator(device=DEV).manual_seed(5))
     B, L = ids.shape
-    s = model.spec
-    cache = KVCache(s.num_layers, B, s.num_kv_heads, L, s.head_dim, dtype=torch.bfloat16, device=DEV,
-                    v_head_dim=s.v_head_dim)
+    cache = model.new_cache(B, L, device=DEV)
     ours = model(ids, torch.arange(L, device=DEV).expand(B, L), torch.ones(B, L, dtype=torch.bool, device=DEV),
                  torch.full((B,), L - 1, device=DEV), cache)
     ref = hf(ids).logits[:, -1].float()
