@@ -11,9 +11,9 @@ softmax scale qk_head_dim^-0.5 times yarn's mscale^2; the two latent RMSNorms us
 whatever rms_norm_eps (as HF builds them). The engine caches the latent, [kv_lora | rotated
 k_rope] per position and layer (512 + 64 values at DeepSeek-V3's sizes, where HF's per-head
 keys and values take 128 * (192 + 128), ~70x), and absorbs kv_b_proj into the query and the
-output (transformer.LatentAttention). The router
-weight and correction bias stay float32 in a bf16 model (`_keep_in_fp32_modules_strict`); the
-checkpoints' multi-token-prediction layer (index num_hidden_layers) is not part of the model.
+output (transformer.LatentAttention). The router weight and correction bias stay float32 in a
+bf16 model (`_keep_in_fp32_modules_strict`); the checkpoints' multi-token-prediction layer
+(index num_hidden_layers) is not part of the model.
 """
 from __future__ import annotations
 
