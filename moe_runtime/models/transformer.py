@@ -259,9 +259,9 @@ class LatentAttention(nn.Module):
                 positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """As Attention.forward; cos/sin [B, 1, L, qk_rope]; `cache` holds the latent
         (MoECausalLM.new_cache: one head of [kv_lora | rotated k_rope], values its first
-        kv_lora dims). kv_b_proj is absorbed (DeepSeek-V2 paper, appendix C): scores
-        q_nope . (W_UK c) = (q_nope W_UK) . c, and the output W_UV (P c), so keys and values
-        are never expanded per head."""
+        kv_lora dims). kv_b_proj is absorbed (DeepSeek-V2 paper, arXiv 2405.04434, section
+        2.1.2): scores q_nope . (W_UK c) = (q_nope W_UK) . c, and the output W_UV (P c), so
+        keys and values are never expanded per head."""
         m = self.mla
         B, L, _ = x.shape
         nope, rope, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
