@@ -843,3 +843,31 @@ def test_prompts_file_of_blank_lines_is_a_usage_error_and_crlf_is_stripped(tmp_p
     f.write_text("\n  \n")
     with pytest.raises(UsageError, match="no prompts"):
         _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(f)))
+
+
+def test_an_interrupt_while_submitting_a_call_kills_the_ranks_already_busy():
+    """Ctrl-C / SIGTERM between two ranks' submissions (right after the CLI prints "loaded")
+    left rank 0 busy and unkilled: shutdown's graceful call then waited its full 10 s behind
+    rank 0's generate (a CI flake of the signal test). Ranks are stubs here; no Ray starts."""
+    class Method:
+        def __init__(self, rank, log):
+            self.rank, self.log = rank, log
+
+        def remote(self, *args, **kwargs):
+            if self.rank == 1:
+                raise KeyboardInterrupt("signal 15")
+            self.log.append(self.rank)
+            return object()
+
+    class Worker:
+        def __init__(self, rank, log):
+            self.generate = Method(rank, log)
+
+    submitted, killed = [], []
+    eng = Engine.__new__(Engine)
+    eng.world_size, eng.timeout_s = 2, 60.0
+    eng.workers = [Worker(r, submitted) for r in range(2)]
+    eng._kill_workers = lambda: killed.append(len(submitted))
+    with pytest.raises(KeyboardInterrupt):
+        eng._call_all("generate", "generate")
+    assert submitted == [0] and killed == [1]

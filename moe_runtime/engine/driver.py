@@ -468,13 +468,13 @@ class Engine:
         import ray
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         refs = {}
-        for i, r in enumerate(ranks):
-            a = per_rank_args[i] if per_rank_args is not None else args
-            refs[getattr(self.workers[r], method).remote(*a, **kwargs)] = r
         results: dict[int, object] = {}
-        deadline = time.monotonic() + self.timeout_s
         steps: dict[int, int] = {}
-        try:
+        try:  # (from the first submission on: an interrupt between two leaves a rank busy)
+            for i, r in enumerate(ranks):
+                a = per_rank_args[i] if per_rank_args is not None else args
+                refs[getattr(self.workers[r], method).remote(*a, **kwargs)] = r
+            deadline = time.monotonic() + self.timeout_s
             while refs:
                 left = deadline - time.monotonic()
                 if left <= 0 and progress and self._advanced(sorted(refs.values()), steps):
