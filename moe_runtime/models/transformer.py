@@ -148,13 +148,26 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) -> torch.Tensor:
     """Write k, v into the cache and attend over the cached prefix (kv heads repeated for GQA).
-    q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v [B, kv_heads, L, Dv] (None: the cache's
-    values are its keys' first Dv dims) -> [B, heads, L, Dv]."""
+    q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v [B, kv_heads, L, Dv] -> [B, heads, L, Dv]."""
     keys, values = cache.write(module.layer_idx, positions, k, v)
     rep = q.shape[1] // keys.shape[1]
     if rep > 1:
         keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+def _shared_head_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of every query head over ONE key/value head (MLA's latent), the heads folded
+    into the query rows, so the shared keys and values are never repeated per head. q [B,
+    heads, L, Dk], keys [B, S, Dk], values [B, S, Dv], mask bool [B, 1, L, S] (True = attend;
+    every row attends somewhere) -> [B, heads, L, Dv]; softmax in fp32."""
+    B, h, L, _ = q.shape
+    S = keys.shape[1]
+    scores = torch.bmm(q.reshape(B, h * L, -1), keys.transpose(1, 2)).view(B, h, L, S) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(p.view(B, h * L, S), values).view(B, h, L, -1)
 
 
 def _project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -261,7 +274,8 @@ class LatentAttention(nn.Module):
         (MoECausalLM.new_cache: one head of [kv_lora | rotated k_rope], values its first
         kv_lora dims). kv_b_proj is absorbed (DeepSeek-V2 paper, arXiv 2405.04434, section
         2.1.2): scores q_nope . (W_UK c) = (q_nope W_UK) . c, and the output W_UV (P c), so
-        keys and values are never expanded per head."""
+        keys and values are never expanded per head, neither in the cache nor in the attention
+        (`_shared_head_attention`)."""
         m = self.mla
         B, L, _ = x.shape
         nope, rope, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
@@ -274,8 +288,10 @@ class LatentAttention(nn.Module):
         q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, L, rope), cos, sin)
         w = self.kv_b_proj.weight.view(q.shape[1], nope + m.v_head_dim, C)  # this rank's heads
         q_latent = torch.einsum("bhld,hdc->bhlc", q_pass, w[:, :nope])
-        ctx = _attend(self, torch.cat((q_latent, q_rot), dim=-1), torch.cat((latent, k_rot), dim=-1),
-                      None, positions, mask, cache, m.softmax_scale)  # [B, heads, L, C]
+        keys, values = cache.write(self.layer_idx, positions, torch.cat((latent, k_rot), dim=-1),
+                                   None)  # [B, 1, S, C + rope], [B, 1, S, C] (a view)
+        ctx = _shared_head_attention(torch.cat((q_latent, q_rot), dim=-1), keys[:, 0],
+                                     values[:, 0], mask, m.softmax_scale)  # [B, heads, L, C]
         out = torch.einsum("bhlc,hvc->blhv", ctx, w[:, nope:])
         return _project_out(self, out.reshape(B, L, -1))
 
