@@ -26,6 +26,18 @@ E = 8  # divisible by every world size above
 
 # ---------------------------------------------------------------------------------------------
 # data and experts (deterministic, imported by the workers too)
+def tiny_cfg():
+    """The fp32 MoEConfig of the layer-level workers: H 8, E experts, top-2, I 4."""
+    from moe_runtime import MoEConfig
+    return MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                     dtype=torch.float32)
+
+
+def planted_failure(module, args):
+    """Forward pre-hook of the experts: an error between a dispatch and its combine."""
+    raise RuntimeError("planted expert failure")
+
+
 def make_batch(case: dict, world: int):
     """Global batch: x [sum(T), H] (case dtype), ids int32 [sum(T), k], weights fp32, T list."""
     g = torch.Generator().manual_seed(case["seed"])
@@ -198,10 +210,9 @@ def w_out_of_step(rank, world, topo_name, failure):
     """Call 1 on both ranks; on call 2 rank 1 fails (`failure`: "validation", x in float64, or
     "experts", an error between dispatch and combine in a MoELayer) and goes on; each rank then
     makes calls 2 and 3. Returns each call's (exception type, message) or "ok"."""
-    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime import MoELayer
     from moe_runtime.comm import new_group
-    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
-                    dtype=torch.float32)
+    cfg = tiny_cfg()
     torch.manual_seed(0)
     group = new_group()  # (a timed-out gloo collective leaves its group unusable: not the pool's)
     layer = MoELayer(cfg, topology=make_topology(topo_name, E, group=group, backend="reference",
@@ -209,8 +220,6 @@ def w_out_of_step(rank, world, topo_name, failure):
     torch.manual_seed(rank if topo_name != "tp" else 0)
     x = torch.randn(3, 8)
 
-    def fail(module, args):
-        raise RuntimeError("planted expert failure")
     out = []
     for call in (1, 2, 3):
         handle = None
@@ -218,7 +227,7 @@ def w_out_of_step(rank, world, topo_name, failure):
         if fails and failure == "validation":
             xx = x.double()
         elif fails and failure.startswith("experts"):
-            handle = layer.experts.register_forward_pre_hook(fail)
+            handle = layer.experts.register_forward_pre_hook(planted_failure)
         try:
             with torch.no_grad():
                 if failure in ("validation", "combine_check"):  # the topology itself
@@ -492,9 +501,8 @@ def test_abandoning_a_result_twice_is_a_no_op(pools, topo_name):
 @pytest.mark.parametrize("topo_name", TOPOS)
 def test_a_world_of_one_goes_on_after_an_interrupt_in_the_experts(topo_name):
     """No peers, nothing to release or refuse: the call after an interrupt works."""
-    from moe_runtime import MoEConfig, MoELayer
-    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
-                    dtype=torch.float32)
+    from moe_runtime import MoELayer
+    cfg = tiny_cfg()
     layer = MoELayer(cfg, topology=make_topology(topo_name, E, backend="reference"),
                      backend="reference")
 
@@ -743,19 +751,16 @@ def w_shared_topology_skip(rank, world, topo_name, rank0_fails=False):
     both layers on both ranks. Call 2: rank 1 skips layer 0 (it raised before it), so its
     layer 1 meets rank 0's layer 0 at the same dispatch number; with rank0_fails, rank 0's
     layer 0 raises in its experts (it sends an "abandoned" header). Then one more call each."""
-    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime import MoELayer
     from moe_runtime.comm import new_group
-    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
-                    dtype=torch.float32)
+    cfg = tiny_cfg()
     torch.manual_seed(0)
     topo = make_topology(topo_name, E, group=new_group(), backend="reference", timeout_s=5)
     layers = [MoELayer(cfg, topology=topo, backend="reference") for _ in range(2)]
 
-    def fail(module, args):
-        raise RuntimeError("planted expert failure")
     x, out = torch.randn(3, 8), []
     for call in (1, 2, 3):
-        hook = layers[0].experts.register_forward_pre_hook(fail) if (
+        hook = layers[0].experts.register_forward_pre_hook(planted_failure) if (
             call == 2 and rank == 0 and rank0_fails) else None
         try:
             with torch.no_grad():
@@ -776,10 +781,9 @@ def w_own_topologies_skip(rank, world, topo_name, fresh):
     swap_moe_layers and the engine build them). Call 1: all on both ranks; call 2: rank 1
     skips layer 0, so its layer 1 meets rank 0's layer 0 at the same dispatch number of each
     topology. Call 3 on the same layers, or (fresh) on new layers with new topologies."""
-    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime import MoELayer
     from moe_runtime.comm import new_group
-    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
-                    dtype=torch.float32)
+    cfg = tiny_cfg()
     group = new_group()
 
     def build():
@@ -846,9 +850,8 @@ def test_an_abandoning_rank_out_of_step_stops_too(pools):
 
 
 def w_expert_weight_forms(rank, world):
-    from moe_runtime import MoEConfig, MoELayer
-    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
-                    dtype=torch.float32)
+    from moe_runtime import MoELayer
+    cfg = tiny_cfg()
     layer = MoELayer(cfg, topology="dp_p2p", backend="reference")
     full_gu, full_d = torch.randn(E, 8, 8), torch.randn(E, 8, 4)
     local = slice(rank * E // 2, (rank + 1) * E // 2)
@@ -898,9 +901,8 @@ def w_copies_in_other_orders(rank, world, topo_name):
     """Layer B = deepcopy(layer A) (its topology copied too); rank 0 runs A then B, rank 1 B
     then A. A copy kept its original's site, so the two paired silently."""
     import copy
-    from moe_runtime import MoEConfig, MoELayer
-    cfg = MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
-                    dtype=torch.float32)
+    from moe_runtime import MoELayer
+    cfg = tiny_cfg()
     torch.manual_seed(0)
     a = MoELayer(cfg, topology=make_topology(topo_name, E, backend="reference", timeout_s=5),
                  backend="reference")

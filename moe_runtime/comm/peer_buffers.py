@@ -36,14 +36,14 @@ counter would pass EPOCH_LIMIT, every rank restarts both counters together and z
 epoch-carrying fields (EPOCH_FIELDS; `restart_epochs`, once per ~1e9 calls). A flag that a rare call
 last wrote 2^31 epochs earlier would otherwise look current to a wrap-safe compare.
 
-Errors: each rank has 4 int32 error words [phase, peer, expected, seen]; device waits
-that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase; an
+Errors: each rank has ERR_WORDS int32 error words, [phase, peer, expected, seen] first; device
+waits that time out fill them and `check_errors` raises `PeerTimeoutError` naming rank and phase; an
 index that would fall outside its buffer (topk_ids outside [0, E), token_slot past expert_y, a
 corrupt count or row from a peer) is refused, recorded the same way, and raised as
 `PeerDataError`; so is a peer whose call is at another site (`site_word`: the callers'
 topology, layer and dispatch number, checked by every dispatch and all-reduce) or, in an
-all-reduce, passed another T. After an error the buffers are in an unknown state: `reset()` (a memset,
-host-synchronous) is needed.
+all-reduce, passed another T. After an error the buffers are in an unknown state: `reset()`
+(a memset, host-synchronous) is needed.
 """
 from __future__ import annotations
 
@@ -295,8 +295,8 @@ class PeerSpec:
             F_RECV_X: ((W, S, H), dt), F_RECV_META: ((W, S, 2), i32), F_INBOX_CNT: ((W, El), i32),
             F_INBOX_FLAG: ((W,), i32), F_CHUNK_FLAG: ((W, S), i32), F_ACK: ((W,), i32),
             F_RET_X: ((items, H), dt), F_RET_FLAG: ((W, S), i32), F_AR_IN: ((T, H), dt),
-            F_AR_MID: ((T, H), dt), F_SIG: ((MAX_CTAS_PER_RANK, W), i32), F_SITE: ((W, SITE_COLS), i32),
-            F_CNT: ((E,), i32),
+            F_AR_MID: ((T, H), dt), F_SIG: ((MAX_CTAS_PER_RANK, W), i32),
+            F_SITE: ((W, SITE_COLS), i32), F_CNT: ((E,), i32),
             F_STAGE: ((items,), i32), F_INV: ((W, S), i32), F_NSEND: ((W,), i32),
             F_POS: ((W, S), i32), F_NRECV: ((W,), i32), F_XOUT: ((xout, H), dt),
             F_OFFS: ((El + 1,), i32), F_BAR: ((4,), i32), F_ERR: ((ERR_WORDS,), i32),

@@ -7,11 +7,9 @@ import torch
 class KVCache:
     """Keys and values of this rank's kv heads for B sequences of up to `max_len` positions.
 
-    Storage per layer: k [B, kv_heads, max_len, head_dim], v [..., v_head_dim] (default
-    head_dim) in `dtype` on `device`; with values_in_keys, no v: the values are the first
-    v_head_dim dims of the keys (MLA's latent cache: keys [latent | rotated rope key], values
-    the latent). Sequence b
-    keeps position p in slot p (no paging); padding slots hold stale values that the causal
+    Storage per layer: k, v [B, kv_heads, max_len, head_dim] in `dtype` on `device`; with
+    values_in_keys=n, no v: the values are the keys' first n dims (MLA's latent cache: keys
+    [latent | rotated rope key], values the latent). Sequence b keeps position p in slot p (no paging); padding slots hold stale values that the causal
     mask never reads.
 
     Raises:
@@ -19,19 +17,17 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 *, dtype: torch.dtype, device=None, v_head_dim: int | None = None,
-                 values_in_keys: bool = False):
-        v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        if (num_layers < 1 or kv_heads < 1 or max_len < 1 or head_dim < 1 or v_head_dim < 1
-                or batch < 0 or (values_in_keys and v_head_dim > head_dim)):
+                 *, dtype: torch.dtype, device=None, values_in_keys: int | None = None):
+        if (num_layers < 1 or kv_heads < 1 or max_len < 1 or head_dim < 1 or batch < 0
+                or (values_in_keys is not None and not 1 <= values_in_keys <= head_dim)):
             raise ValueError(f"bad KV cache sizes: layers={num_layers} batch={batch} "
                              f"kv_heads={kv_heads} max_len={max_len} head_dim={head_dim} "
-                             f"v_head_dim={v_head_dim} values_in_keys={values_in_keys}")
-        shape = (batch, kv_heads, max_len)
-        self.k = [torch.zeros(*shape, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+                             f"values_in_keys={values_in_keys}")
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = None if values_in_keys else [
-            torch.zeros(*shape, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_head_dim = v_head_dim
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values_in_keys = values_in_keys
         self.max_len = max_len
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -40,11 +36,11 @@ class KVCache:
         Args:
             layer: layer index.
             positions: int64 [B, L], the slot of each new token.
-            k, v: [B, kv_heads, L, head_dim] and [B, kv_heads, L, v_head_dim] (v None with
-                values_in_keys).
+            k, v: [B, kv_heads, L, head_dim] (v None with values_in_keys).
 
         Returns:
-            (keys, values) [B, kv_heads, S, head_dim / v_head_dim], S = positions.max() + 1.
+            (keys, values) [B, kv_heads, S, head_dim] (values: [..., values_in_keys], a view of
+            the keys), S = positions.max() + 1.
 
         Raises:
             ValueError: a position at or past max_len.
@@ -56,7 +52,7 @@ class KVCache:
         kc = self.k[layer]
         kc[b, :, positions] = k.transpose(1, 2).to(kc.dtype)
         if self.v is None:
-            return kc[:, :, :S], kc[:, :, :S, :self.v_head_dim]
+            return kc[:, :, :S], kc[:, :, :S, :self.values_in_keys]
         vc = self.v[layer]
         vc[b, :, positions] = v.transpose(1, 2).to(vc.dtype)
         return kc[:, :, :S], vc[:, :, :S]

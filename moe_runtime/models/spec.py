@@ -52,8 +52,9 @@ class ModelSpec:
             head_dim * partial_rotary_factor; DeepSeek-V3: qk_rope_head_dim); 0 = all of
             head_dim.
         mla: multi-head latent attention (DeepSeek-V3) instead of GQA, or None. Then head_dim
-            is the key dim (qk_nope + qk_rope), num_kv_heads = num_heads and v_head_dim the
-            value dim.
+            is the per-head query/key dim (qk_nope + qk_rope) and num_kv_heads = num_heads
+            (heads split under tp as queries are); the KV cache holds the latent instead
+            (MoECausalLM.new_cache).
         rms_norm_eps: epsilon of every RMSNorm.
         sliding_window: attend to at most this many previous positions (None = full causal).
         max_position_embeddings: the longest prompt + generation the engine accepts.
@@ -91,11 +92,6 @@ class ModelSpec:
     @property
     def dtype(self) -> torch.dtype:
         return self.moe.dtype
-
-    @property
-    def v_head_dim(self) -> int:
-        """Per-head value dim (head_dim but for MLA)."""
-        return self.mla.v_head_dim if self.mla is not None else self.head_dim
 
 
 def eos_ids(value) -> tuple[int, ...]:

@@ -30,8 +30,8 @@ on the topology (Topology.register_layer, in construction order; one topology ma
 layers) and the topology's dispatch number. The dp counts exchange and tp's combine check carry
 the site, and so do the cute backends' kernels (a dp dispatch sends its site word to every
 peer with its counts, a tp all-reduce lets every peer read it; each rank compares the peers'
-words with its own: peer_buffers.site_word). A
-mismatch raises ValueError on every rank instead of exchanging rows of another layer. The ranks
+words with its own: peer_buffers.site_word). A mismatch raises ValueError on every rank
+instead of exchanging rows of another layer. The ranks
 stay apart: every topology of the group up to the highest id in the failing exchange then
 refuses calls, on every rank alike; build new topologies and layers. Every rank must build its
 topologies and layers in the same order (SPMD code, swap_moe_layers and the engine do; a copy,
@@ -39,11 +39,11 @@ by copy.deepcopy or pickle, takes a new id as it is made; a rank that built one 
 than its peers stays apart on that group). A default group destroyed and initialized again is
 another group: topologies built before refuse calls. Ranks that meet in different collectives
 (e.g. one at a topology's first-call check, another in a dp counts exchange) time out instead
-(CollectiveError). Not caught: under dp, a
-combine or a dispatch made by one rank only (combining one result twice is allowed when every
-rank does it, so there is no local sign: its row exchange meets the peers' next collective and
-gloo / NCCL abort the process on the size mismatch); a cute tp call with T = 0 (it launches
-nothing: the next call with tokens compares the sites).
+(CollectiveError). Not caught: under dp, a combine or a dispatch made by one rank only
+(combining one result twice is allowed when every rank does it, so there is no local sign: its
+row exchange meets the peers' next collective and gloo / NCCL abort the process on the size
+mismatch); a cute tp call with T = 0 (it launches nothing: the next call with tokens compares
+the sites).
 A rank that raised between a dispatch and its combine (e.g. in the experts, or in combine's
 checks) takes its part in that combine without a result (`abandon`; MoELayer does it): a
 header of kind "abandoned" (tp) or a status row per peer (dp), so its peers raise
@@ -304,9 +304,9 @@ class GroupTopology(Topology):
 
     def _mark_apart(self, why: str, ids: Sequence[int]) -> None:
         """The ranks paired calls of different sites (`site`), whose topology ids are `ids`
-        (max(ids) is the same on every rank: each saw every rank's site): the order of calls on this
-        group has diverged, so the topologies with an id up to max(ids) refuse further calls on
-        every rank alike; topologies with larger ids (built later) work."""
+        (max(ids) is the same on every rank: each saw every rank's site): the order of calls on
+        this group has diverged, so the topologies with an id up to max(ids) refuse further
+        calls on every rank alike; topologies with larger ids (built later) work."""
         self._out_of_step = why
         key = _group_key(self.group)
         if key is not None:
@@ -763,16 +763,17 @@ class PeerBufferTopology(GroupTopology):
         if self.backend == "auto":
             self._settle("cute", reason)
 
-    def _site_checked(self, site: tuple[int, int, int], call: Callable[[], Any]) -> Any:
-        """call(), a kernel call of the call at `site` that sent its site word to its peers
-        (peer_buffers.site_word). A peer at another site (PeerDataError, E_OUT_OF_STEP) raises
-        the reference backends' ValueError instead, and the topologies up to the highest id of
-        the sites the call paired refuse further calls (`_out_of_step_error`; every rank saw
-        every peer's site, so all agree on that id: peer_buffers.ERR_APART). The peer's site is
-        read from its word, so its numbers are modulo peer_buffers.SITE_BITS."""
-        from ..comm.peer_buffers import E_OUT_OF_STEP, PeerDataError, site_fields
+    def _site_checked(self, site: tuple[int, int, int], call: Callable[[list[int]], Any]) -> Any:
+        """call(sites), a kernel call of the call at `site` that sends this rank's site word
+        (`sites`: [peer_buffers.site_word(*site)]) to its peers. A peer at another site
+        (PeerDataError, E_OUT_OF_STEP) raises the reference backends' ValueError instead,
+        and the topologies up to the highest id of the sites the call paired refuse further
+        calls (`_out_of_step_error`; every rank saw every peer's site, so all agree on that
+        id: peer_buffers.ERR_APART). The peer's site is read from its word, so its numbers
+        are modulo peer_buffers.SITE_BITS."""
+        from ..comm.peer_buffers import E_OUT_OF_STEP, PeerDataError, site_fields, site_word
         try:
-            return call()
+            return call([site_word(*site)])
         except PeerDataError as e:
             apart = [r for r in e.errors if r["phase"] == E_OUT_OF_STEP]
             if not apart:

@@ -51,11 +51,9 @@ class DPNVLinkTopology(PeerBufferTopology, DataParallelTopology):
         bufs = self._peer_buffers(x, topk_ids)
         if bufs is None:
             return super()._dispatch(x, topk_ids, topk_weights)
-        from ..comm.peer_buffers import site_word
         from ..kernels.ep_dispatch import ep_dispatch
-        site = self.site
-        h = self._site_checked(site, lambda: ep_dispatch(
-            bufs, x, topk_ids, sites=[site_word(*site)], **self._kernel_bounds()))
+        h = self._site_checked(self.site, lambda sites: ep_dispatch(
+            bufs, x, topk_ids, sites=sites, **self._kernel_bounds()))
         return DispatchResult(h.expert_x[0][:h.rows_used[0]], h.expert_offsets[0],
                               {"ep": h, "peer_buffers": bufs, "topk_weights": topk_weights})
 

@@ -74,11 +74,10 @@ class TPTopology(PeerBufferTopology):
         h = result.handle
         if h["peer_buffers"] is not None:
             h["settled"] = True
-            from ..comm.peer_buffers import site_word
             from ..kernels.allreduce import tp_combine_all_reduce
-            return self._site_checked(h["site"], lambda: tp_combine_all_reduce(
+            return self._site_checked(h["site"], lambda sites: tp_combine_all_reduce(
                 h["peer_buffers"], [expert_y], h["token_slot"][None], h["topk_weights"],
-                sites=[site_word(*h["site"])], **self._kernel_bounds()))[0]
+                sites=sites, **self._kernel_bounds()))[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
         h["settled"] = True
         self._check_same_tokens(expert_y, h)
