@@ -123,6 +123,9 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
                    help="bound on each phase (start, load), seconds; generation may run "
                         "longer while it makes progress within every such interval")
     p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
+    p.add_argument("--eager", action="store_true",
+                   help="run every decode step eagerly (default: replayed from a CUDA graph on "
+                        "a one-GPU local model)")
 
 
 def add_generate_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDRESS_HELP) -> None:
@@ -230,7 +233,8 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
         engine = Engine(model_dir, world_size=args.world_size, topology=args.topology,
                         attention=args.attention or "dp",
                         ray_address=args.ray_address, device=args.device, dtype=args.dtype,
-                        timeout_s=args.timeout, progress=not args.no_progress)
+                        timeout_s=args.timeout, progress=not args.no_progress,
+                        cuda_graphs=not args.eager)
         print(f"loaded {model_dir} on {engine.world_size} {engine.device} rank(s)", flush=True)
         print_result(engine.generate(prompts, params, max_batch_size=args.max_batch_size))
         return 0

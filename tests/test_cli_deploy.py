@@ -323,5 +323,7 @@ def test_help_shows_defaults(capsys):
     for shown in ("each (default: 2)", "per prompt (default: 16)"):  # demo's own defaults, once
         assert shown in out, shown
     assert out.count("(default: 2)") == 1
+    assert not build_parser().parse_args(["generate", "--model", "m", "--prompt", "p"]).eager
+    assert build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--eager"]).eager
     assert build_parser().parse_args(["demo"]).no_progress  # the demo's bars: off unless asked
     assert not build_parser().parse_args(["demo", "--progress"]).no_progress

@@ -341,9 +341,11 @@ def test_glm4_moe_without_shared_experts_loads_quietly(tmp_path, recwarn):
                               mscale=1.0, mscale_all_dim=1.0)),
     dict(rms_norm_eps=1e-2),  # (HF's latent norms keep eps 1e-6)
 ], ids=["latent_q", "plain_q_bias_no_dense", "yarn_mscale", "rms_norm_eps"])
-def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant):
+def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant, monkeypatch):
     """MLA (LatentAttention) against HF's DeepseekV3ForCausalLM in fp32: every position's
-    logits of a prefill (prompts longer than yarn's original context) and greedy decoding."""
+    logits of a prefill (prompts longer than yarn's original context), also with the query
+    positions in chunks of 5 (a scores budget of 5 rows), and greedy decoding."""
+    from moe_runtime.models import transformer
     from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
     from moe_runtime.models.make_checkpoint import (_deepseek_v3_kwargs,
@@ -363,15 +365,85 @@ def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant):
     B, L = ids.shape
     with torch.no_grad():
         ref = hf(ids).logits.float()
-    for last in (0, 9, L - 1):  # (yarn: 16 positions originally) a fresh prefill each
-        cache = model.new_cache(B, L)
-        ours = model(ids, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool),
-                     torch.full((B,), last), cache)
-        err = ((ours - ref[:, last]).abs().max() / ref.abs().max()).item()
-        assert err < 1e-5, (last, err)
+    heads = model.spec.num_heads
+    for budget in (transformer.SCORES_PER_CHUNK, 5 * B * heads * L):
+        monkeypatch.setattr(transformer, "SCORES_PER_CHUNK", budget)
+        for last in (0, 9, L - 1):  # (yarn: 16 positions originally) a fresh prefill each
+            cache = model.new_cache(B, L)
+            ours = model(ids, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool),
+                         torch.full((B,), last), cache)
+            err = ((ours - ref[:, last]).abs().max() / ref.abs().max()).item()
+            assert err < 1e-5, (budget, last, err)
+    monkeypatch.undo()
     out = run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(max_new_tokens=8),
                        stop_ids=[])
     assert out.token_ids == hf_greedy(d, PROMPTS, 8)
+
+
+@pytest.mark.parametrize("L,S", [(1, 37), (3, 40), (200, 203)])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 6), (4, 1)])
+def test_gqa_attention_equals_repeated_kv_heads(L, S, heads, kv_heads, monkeypatch):
+    """_attend against float64 SDPA over kv heads repeated per query head, on a filled cache
+    with a causal + padding mask: decode-sized calls (heads per kv head * L <= DECODE_ROWS: two
+    bmm over the folded query rows), SDPA on repeated kv heads otherwise, and the folded form
+    in query chunks (a scores budget of 3 rows)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from moe_runtime.engine.kv_cache import KVCache
+    from moe_runtime.models import transformer
+    from moe_runtime.models.transformer import _attend
+    g = torch.Generator().manual_seed(L * 100 + heads)
+    B, D = 2, 4
+    cache = KVCache(1, B, kv_heads, S + 4, D, dtype=torch.float32)
+    old = torch.arange(S - L).expand(B, -1)
+    cache.write(0, old, torch.randn(B, kv_heads, S - L, D, generator=g),
+                torch.randn(B, kv_heads, S - L, D, generator=g), S - L)
+    pos = torch.arange(S - L, S).expand(B, L)
+    q = torch.randn(B, heads, L, D, generator=g)
+    k, v = (torch.randn(B, kv_heads, L, D, generator=g) for _ in range(2))
+    mask = (torch.arange(S) <= pos[:, None, :, None]) & (torch.arange(S) >= torch.tensor([0, 3])[:, None, None, None])
+    ours = _attend(SimpleNamespace(layer_idx=0), q, k, v, pos, mask, cache, 0.3)
+    keys, values = cache.k[0][:, :, :S], cache.v[0][:, :, :S]
+    rep = heads // kv_heads
+    ref = F.scaled_dot_product_attention(q.double(), keys.repeat_interleave(rep, 1).double(),
+                                         values.repeat_interleave(rep, 1).double(),
+                                         attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(transformer, "SCORES_PER_CHUNK", 3 * B * heads * S)
+    chunked = transformer._grouped_attention(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(chunked.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
+def test_fixed_shape_decode_step_equals_the_eager_one(ckpts, arch):
+    """The decode step that engine.decode_graph captures (attention over the whole cache,
+    every sequence through the MoE layers: MoECausalLM.forward with kv_len and valid None)
+    gives the eager step's logits for the sequences still generating, in fp32 on CPU, and
+    writes the same cache entries for them; run_requests replays graphs on CUDA only."""
+    d = ckpts[arch]
+    model = load_model(d, progress=False)
+    prompts = encode(d, PROMPTS)
+    B, L = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(B, L, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    pos = torch.arange(L).expand(B, L)
+    caches = [model.new_cache(B, L + 6), model.new_cache(B, L + 6)]
+    for c in caches:
+        model(ids, pos, pos < lens[:, None], lens - 1, c)
+    active = torch.tensor([True, False, True])  # sequence 1 finished
+    tokens = torch.tensor([[5], [7], [11]])
+    eager = model(tokens, lens[:, None], active[:, None], torch.zeros(B, dtype=torch.int64), caches[0])
+    fixed = model(tokens, lens[:, None], None, torch.zeros(B, dtype=torch.int64), caches[1],
+                  kv_len=L + 6)
+    torch.testing.assert_close(fixed[active], eager[active], rtol=1e-5, atol=1e-5)
+    for k0, k1 in zip(caches[0].k, caches[1].k):  # (the finished one's: written, never read)
+        torch.testing.assert_close(k0[active], k1[active], rtol=1e-5, atol=1e-6)
+    out = run_requests(model, prompts, range(B), SamplingParams(max_new_tokens=3), stop_ids=[])
+    assert out.extra["cuda_graphs"] is False
 
 
 def test_non_silu_activation_and_unsplittable_heads_are_refused_up_front(ckpts):

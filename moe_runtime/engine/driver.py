@@ -219,6 +219,9 @@ class Engine:
             timeout_s.
         progress: tqdm bars while loading (shown through Ray's log forwarding).
         ray_init_kwargs: extra ray.init arguments for the embedded start.
+        cuda_graphs: replay each decode step from a CUDA graph where a rank allows it (one
+            GPU rank, `local`, MoE layers on the cute path: engine.decode_graph); False:
+            every step eager.
 
     Raises:
         FileNotFoundError: model_dir has no config.json.
@@ -238,7 +241,8 @@ class Engine:
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
                  attention: str = "dp", ray_address: Optional[str] = None, device: str = "auto",
                  dtype: str = "auto", backend: str = "auto", timeout_s: float = 120.0,
-                 progress: bool = True, ray_init_kwargs: Optional[dict] = None):
+                 progress: bool = True, ray_init_kwargs: Optional[dict] = None,
+                 cuda_graphs: bool = True):
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
         if world_size < 1:
@@ -262,6 +266,7 @@ class Engine:
             check_ray_address(ray_address)
         self.model_dir, self.world_size, self.timeout_s = model_dir, world_size, timeout_s
         self.dtype, self.backend, self.progress = dtype, backend, progress
+        self.cuda_graphs = bool(cuda_graphs)
         self.workers: list = []
         self.worker_pids: list[int] = []
         self.placement_group = None
@@ -628,7 +633,8 @@ class Engine:
             chunk = range(start, min(start + size, n))
             owners = assign_requests([len(prompt_ids[i]) for i in chunk], self.world_size, dp)
             per_rank = [([list(prompt_ids[chunk[i]]) for i in own], [chunk[i] for i in own], params,
-                         sorted(stop), (fail_at_step or {}).get(r)) for r, own in enumerate(owners)]
+                         sorted(stop), (fail_at_step or {}).get(r), self.cuda_graphs)
+                        for r, own in enumerate(owners)]
             outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank,
                                                     progress=True)
             for o in (outs if dp else outs[:1]):

@@ -30,22 +30,26 @@ class KVCache:
         self.values_in_keys = values_in_keys
         self.max_len = max_len
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              length: int):
         """Store this step's keys/values and return the cached prefix that attention reads.
 
         Args:
             layer: layer index.
             positions: int64 [B, L], the slot of each new token.
             k, v: [B, kv_heads, L, head_dim] (v None with values_in_keys).
+            length: S = positions.max() + 1, the prefix returned (the caller computes it once
+                per forward: reading it from `positions` here would wait for the device in
+                every layer).
 
         Returns:
             (keys, values) [B, kv_heads, S, head_dim] (values: [..., values_in_keys], a view of
-            the keys), S = positions.max() + 1.
+            the keys).
 
         Raises:
-            ValueError: a position at or past max_len.
+            ValueError: a length past max_len.
         """
-        S = int(positions.max()) + 1
+        S = length
         if S > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write position {S - 1}")
         b = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)

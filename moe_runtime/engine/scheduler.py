@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .decode_graph import DecodeGraph, graphs_apply
 from .sampler import SamplingParams, request_generators, sample
 
 
@@ -73,10 +74,26 @@ def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.T
                           timeout_s=parallel.timeout_s).cpu()
 
 
+def _decode_step(model, cache, batch: int, cuda_graphs: bool):
+    """(step, graphed): step(tokens, lengths, active) runs one decode step (host tensors: int64
+    [B] each sequence's token and position, bool [B] the sequences still generating) and
+    returns its logits; replayed from a DecodeGraph where `cuda_graphs`, B >= 1 and
+    graphs_apply(model), else an eager forward whose MoE layers see the active sequences."""
+    dev = model.device
+    if cuda_graphs and batch and graphs_apply(model):
+        graph = DecodeGraph(model, cache, batch)
+        return (lambda tokens, lengths, active: graph(tokens, lengths)), True
+    zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
+    return (lambda tokens, lengths, active: model(
+        tokens[:, None].to(dev), lengths[:, None].to(dev), active[:, None].to(dev), zeros,
+        cache)), False
+
+
 def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[int],
                  params: SamplingParams, stop_ids: Sequence[int], *,
                  fail_at_step: Optional[int] = None,
-                 on_step: Optional[Callable[[int], None]] = None) -> RankOutput:
+                 on_step: Optional[Callable[[int], None]] = None,
+                 cuda_graphs: bool = True) -> RankOutput:
     """Prefill, then decode in lockstep with the other ranks, on this rank's requests.
 
     Args:
@@ -88,6 +105,9 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         fail_at_step: testing aid: raise RuntimeError at this decode step (fault tests).
         on_step: called with the number of forward passes done (1 after prefill, then one more
             per decode step): the rank's progress (RankWorker.progress).
+        cuda_graphs: replay the decode steps from a CUDA graph where the model allows it
+            (decode_graph.graphs_apply: one rank on CUDA, MoE layers free of host syncs);
+            RankOutput.extra["cuda_graphs"] says whether it did.
 
     Returns:
         RankOutput. finish_reasons: "stop" (a stop token) or "length" (max_new_tokens).
@@ -124,7 +144,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     t0 = time.perf_counter()
     active = torch.ones(B, dtype=torch.bool)
     lengths = lens.clone()
-    zeros = torch.zeros(B, dtype=torch.int64, device=dev)
+    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, B, cuda_graphs)
     for step in range(params.max_new_tokens):
         tokens = _from_rank0(sample(logits, params, gens), model.parallel, dev)
         for b in active.nonzero().flatten().tolist():
@@ -138,8 +158,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
             break
         if fail_at_step is not None and step == fail_at_step:
             raise RuntimeError(f"injected fault at decode step {step}")
-        logits = model(tokens[:, None].to(dev), lengths[:, None].to(dev), active[:, None].to(dev),
-                       zeros, cache)
+        logits = decode(tokens, lengths, active)
         lengths += active.to(torch.int64)
         out.steps += 1
         if on_step is not None:

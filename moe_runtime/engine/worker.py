@@ -88,14 +88,16 @@ class RankWorker:
                 "warnings": list(dict.fromkeys(str(w.message) for w in caught))}
 
     def generate(self, prompts: Sequence[Sequence[int]], request_ids: Sequence[int], params,
-                 stop_ids: Sequence[int], fail_at_step: Optional[int] = None):
+                 stop_ids: Sequence[int], fail_at_step: Optional[int] = None,
+                 cuda_graphs: bool = True):
         """Run this rank's requests (see scheduler.run_requests); returns a RankOutput."""
         from .scheduler import run_requests
         if self.model is None:
             raise RuntimeError(f"rank {self.rank}: no model loaded")
         self.steps = 0
         return run_requests(self.model, prompts, request_ids, params, stop_ids,
-                            fail_at_step=fail_at_step, on_step=self._count)
+                            fail_at_step=fail_at_step, on_step=self._count,
+                            cuda_graphs=cuda_graphs)
 
     def _count(self, steps: int) -> None:
         self.steps = steps

@@ -146,28 +146,51 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+DECODE_ROWS = 8  # query rows per kv head up to which attention is two bmm, not SDPA
+
+
 def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) -> torch.Tensor:
-    """Write k, v into the cache and attend over the cached prefix (kv heads repeated for GQA).
-    q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v [B, kv_heads, L, Dv] -> [B, heads, L, Dv]."""
-    keys, values = cache.write(module.layer_idx, positions, k, v)
+    """Write k, v into the cache and attend over the cached prefix (S = mask.shape[-1]).
+    q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v [B, kv_heads, L, Dv], mask bool [B, 1, L, S]
+    -> [B, heads, L, Dv]. Decode steps (at most DECODE_ROWS query rows per kv head) run
+    `_grouped_attention`: on the H200 torch's SDPA (cuDNN) took 90 / 694 µs for one sequence
+    at S = 4096 / 32768 (32 query, 4 kv heads of 128, bf16) against 27 / 87 µs for the two
+    bmm, as it splits the work by query tiles (bench_out diagnostic attn_decode.py). Prefill
+    runs SDPA over the kv heads repeated per query head."""
+    keys, values = cache.write(module.layer_idx, positions, k, v, mask.shape[-1])
     rep = q.shape[1] // keys.shape[1]
+    if rep * q.shape[2] <= DECODE_ROWS:
+        return _grouped_attention(q, keys, values, mask, scale)
     if rep > 1:
         keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
-def _shared_head_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of every query head over ONE key/value head (MLA's latent), the heads folded
-    into the query rows, so the shared keys and values are never repeated per head. q [B,
-    heads, L, Dk], keys [B, S, Dk], values [B, S, Dv], mask bool [B, 1, L, S] (True = attend;
-    every row attends somewhere) -> [B, heads, L, Dv]; softmax in fp32."""
-    B, h, L, _ = q.shape
-    S = keys.shape[1]
-    scores = torch.bmm(q.reshape(B, h * L, -1), keys.transpose(1, 2)).view(B, h, L, S) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+SCORES_PER_CHUNK = 1 << 26  # `_grouped_attention`'s scores per query chunk (64 Mi: ~0.5 GiB transient)
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention with the query heads of each kv head folded into its query rows (GQA, and
+    MLA's one latent head), so the keys and values are never repeated per query head: two bmm
+    over B * kv_heads, softmax in fp32. q [B, heads, L, Dk], keys [B, kv_heads, S, Dk], values
+    [B, kv_heads, S, Dv], mask bool [B, 1, L, S] (True = attend; every row attends somewhere)
+    -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks of
+    at most SCORES_PER_CHUNK scores (a long MLA prefill would otherwise hold B * heads * L * S
+    of them, e.g. 128 heads at L = S = 8192: 8.6 G scores)."""
+    B, h, L, Dk = q.shape
+    kv, S = keys.shape[1], keys.shape[2]
+    chunk = max(1, SCORES_PER_CHUNK // max(1, B * h * S))
+    if L > chunk:
+        return torch.cat([_grouped_attention(q[:, :, i:i + chunk], keys, values,
+                                             mask[:, :, i:i + chunk], scale)
+                          for i in range(0, L, chunk)], dim=2)
+    rows = q.reshape(B * kv, h // kv * L, Dk)  # row r * L + l: query head kv_i * rep + r
+    scores = torch.bmm(rows, keys.reshape(B * kv, S, Dk).transpose(1, 2)) * scale
+    scores = scores.view(B, kv, h // kv, L, S).masked_fill(~mask[:, :, None], float("-inf"))
     p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.bmm(p.view(B, h * L, S), values).view(B, h, L, -1)
+    out = torch.bmm(p.view(B * kv, h // kv * L, S), values.reshape(B * kv, S, -1))
+    return out.view(B, h, L, -1)
 
 
 def _project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -275,7 +298,7 @@ class LatentAttention(nn.Module):
         kv_lora dims). kv_b_proj is absorbed (DeepSeek-V2 paper, arXiv 2405.04434, section
         2.1.2): scores q_nope . (W_UK c) = (q_nope W_UK) . c, and the output W_UV (P c), so
         keys and values are never expanded per head, neither in the cache nor in the attention
-        (`_shared_head_attention`)."""
+        (`_grouped_attention`)."""
         m = self.mla
         B, L, _ = x.shape
         nope, rope, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
@@ -289,9 +312,9 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(q.shape[1], nope + m.v_head_dim, C)  # this rank's heads
         q_latent = torch.einsum("bhld,hdc->bhlc", q_pass, w[:, :nope])
         keys, values = cache.write(self.layer_idx, positions, torch.cat((latent, k_rot), dim=-1),
-                                   None)  # [B, 1, S, C + rope], [B, 1, S, C] (a view)
-        ctx = _shared_head_attention(torch.cat((q_latent, q_rot), dim=-1), keys[:, 0],
-                                     values[:, 0], mask, m.softmax_scale)  # [B, heads, L, C]
+                                   None, mask.shape[-1])  # [B, 1, S, C + rope], [B, 1, S, C] (a view)
+        ctx = _grouped_attention(torch.cat((q_latent, q_rot), dim=-1), keys, values, mask,
+                                 m.softmax_scale)  # [B, heads, L, C]
         out = torch.einsum("bhlc,hvc->blhv", ctx, w[:, nope:])
         return _project_out(self, out.reshape(B, L, -1))
 
@@ -317,14 +340,20 @@ class DecoderLayer(nn.Module):
                                  **({"timeout_s": parallel.timeout_s} if parallel.world_size > 1 else {}))
             self.mlp = MoELayer(spec.moe, topology=topo, backend=parallel.backend)
 
-    def forward(self, x, cos, sin, positions, mask, valid, cache):
+    def forward(self, x, cos, sin, positions, mask, rows, cache):
+        """rows: int64 [n], the valid tokens' indices into the flattened [B * L] (found once per
+        forward: a boolean index here would wait for the device in every layer), or None: all
+        of them."""
         B = x.shape[0]
         if B:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoELayer):
+            H = h.shape[-1]
+            if rows is None:
+                return x + self.mlp(h.reshape(-1, H)).view_as(h)
             y = torch.zeros_like(h)
-            y[valid] = self.mlp(h[valid])
+            y.view(-1, H).index_copy_(0, rows, self.mlp(h.reshape(-1, H).index_select(0, rows)))
         else:
             y = self.mlp(h)
         return x + y
@@ -395,31 +424,39 @@ class MoECausalLM(nn.Module):
         return mask
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                last_index: torch.Tensor, cache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                valid: Optional[torch.Tensor], last_index: torch.Tensor, cache,
+                kv_len: Optional[int] = None) -> torch.Tensor:
         """One prefill or decode step for a batch of sequences.
 
         Args:
             input_ids: int64 [B, L] (right-padded prompts in prefill; L = 1 in decode).
             positions: int64 [B, L], position of each token in its sequence (its KV slot).
             valid: bool [B, L], tokens that count (not padding, not a finished sequence); only
-                these go through the MoE blocks.
+                these go through the MoE blocks. None: all of them.
             last_index: int64 [B], which of the L positions gives each sequence's logits.
             cache: an `engine.kv_cache.KVCache` with this rank's kv heads and room for
                 positions.max() + 1 positions.
+            kv_len: the cached positions attention reads, >= positions.max() + 1 (the mask
+                hides those past each token's position); None: positions.max() + 1.
 
         Returns:
             fp32 logits [B, vocab_size]. B may be 0 (a dp rank without requests still runs
             the MoE collectives).
+
+        With `kv_len` and valid None the forward never waits for the device (the MoE layers'
+        own forwards permitting: MoELayer.host_sync_free), so a CUDA graph can capture it
+        (engine.decode_graph); otherwise it reads positions.max() and the valid rows once.
         """
         B = input_ids.shape[0]
         x = self.embed_tokens(input_ids)
         cos = sin = mask = None
         if B:
             cos, sin = self._rope(positions, x.dtype)
-            mask = self._mask(positions, int(positions.max()) + 1)
+            mask = self._mask(positions, kv_len if kv_len is not None else int(positions.max()) + 1)
+        rows = None if valid is None else valid.flatten().nonzero().flatten()
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, mask, valid, cache)
+            x = layer(x, cos, sin, positions, mask, rows, cache)
         h = self.norm(x[torch.arange(B, device=x.device), last_index])
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w).float()

@@ -303,3 +303,78 @@ def test_engine_model_follows_hf_in_bf16(tmp_path, arch):
                  torch.full((B,), L - 1, device=DEV), cache)
     ref = hf(ids).logits[:, -1].float()
     assert rel_err(ours, ref) < 3e-2, rel_err(ours, ref)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
+def test_engine_forward_waits_for_the_device_twice_not_per_layer(tmp_path, arch):
+    """One engine forward (prefill, then a decode step) synchronizes with the host exactly twice
+    whatever the number of layers: the cached length and the valid rows are read once per
+    forward, not in every attention and MoE layer; given kv_len and no valid mask (the form
+    engine.decode_graph captures), never. Counted by torch's sync debug mode."""
+    import warnings
+
+    from moe_runtime.models import load_model
+    from moe_runtime.models.make_checkpoint import make_checkpoint
+    d = make_checkpoint(str(tmp_path / arch), arch, "tiny")
+    model = load_model(d, dtype="bfloat16", device=DEV, progress=False)
+    assert len(model.layers) >= 2
+    B, L = 2, 9
+    cache = model.new_cache(B, L + 1, device=DEV)
+    model(torch.zeros(B, L, dtype=torch.int64, device=DEV), torch.arange(L, device=DEV).expand(B, L),
+          torch.ones(B, L, dtype=torch.bool, device=DEV), torch.zeros(B, dtype=torch.int64, device=DEV),
+          cache)  # (warm-up: the first call makes cached device constants, e.g. a GEMV's offsets)
+    steps = [(torch.randint(0, 100, (B, L), device=DEV), torch.arange(L, device=DEV).expand(B, L),
+              torch.full((B,), L - 1, device=DEV)),
+             (torch.randint(0, 100, (B, 1), device=DEV), torch.full((B, 1), L, device=DEV),
+              torch.zeros(B, dtype=torch.int64, device=DEV))]
+    for (ids, pos, last), fixed in zip(steps + steps[1:], (False, False, True)):
+        valid = None if fixed else torch.ones_like(ids, dtype=torch.bool)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model(ids, pos, valid, last, cache, kv_len=L + 1 if fixed else None)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in seen if "called a synchronizing CUDA operation" in str(w.message)]
+        assert len(syncs) == (0 if fixed else 2), [str(w.message) for w in syncs]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
+def test_engine_decode_graph_replays_the_eager_steps(tmp_path, arch):
+    """engine.decode_graph on a bf16 model on CUDA: after the same prefill, five decode steps
+    fed the same tokens give the eager steps' logits (bf16 tolerance) from one graph captured
+    at the first step; run_requests replays graphs unless told not to."""
+    from moe_runtime.engine.decode_graph import DecodeGraph, graphs_apply
+    from moe_runtime.engine.sampler import SamplingParams
+    from moe_runtime.engine.scheduler import run_requests
+    from moe_runtime.models import load_model
+    from moe_runtime.models.make_checkpoint import make_checkpoint
+    d = make_checkpoint(str(tmp_path / arch), arch, "tiny")
+    model = load_model(d, dtype="bfloat16", device=DEV, progress=False)
+    assert graphs_apply(model)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    B, L, N = 3, 7, 5
+    ids = torch.randint(0, model.spec.vocab_size, (B, L), device=DEV, generator=g)
+    pos = torch.arange(L, device=DEV).expand(B, L)
+    caches = [model.new_cache(B, L + N, device=DEV) for _ in range(2)]
+    for c in caches:
+        model(ids, pos, torch.ones_like(ids, dtype=torch.bool), torch.full((B,), L - 1, device=DEV), c)
+    graph = DecodeGraph(model, caches[1], B)
+    for step in range(N):
+        tokens = torch.randint(0, model.spec.vocab_size, (B,), device=DEV, generator=g)
+        positions = torch.full((B,), L + step, device=DEV)
+        eager = model(tokens[:, None], positions[:, None], torch.ones(B, 1, dtype=torch.bool, device=DEV),
+                      torch.zeros(B, dtype=torch.int64, device=DEV), caches[0])
+        replayed = graph(tokens, positions)
+        captured = graph.graph if step == 0 else captured
+        assert graph.graph is captured
+        assert rel_err(replayed, eager) < 2e-2, (step, rel_err(replayed, eager))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    for graphs in (True, False):
+        out = run_requests(model, prompts, range(2), SamplingParams(max_new_tokens=4), stop_ids=[],
+                           cuda_graphs=graphs)
+        assert out.extra["cuda_graphs"] is graphs and all(len(t) == 4 for t in out.token_ids)
