@@ -75,8 +75,13 @@ class DecodeGraph:
                 self._step()
             torch.cuda.current_stream(self.ids.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.logits = self._step()
+            try:
+                with torch.cuda.graph(graph):
+                    self.logits = self._step()
+            except Exception as e:
+                raise RuntimeError(f"capturing the decode step in a CUDA graph failed ({e}); "
+                                   "decode eagerly with Engine(cuda_graphs=False) or "
+                                   "`moe-runtime generate --eager`") from e
             self.graph = graph
         self.graph.replay()
         return self.logits

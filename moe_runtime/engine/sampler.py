@@ -84,11 +84,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
         generators: B CPU generators (used only when sampling).
 
     Returns:
-        int64 [B] token ids on the CPU.
+        int64 [B] token ids on the CPU. Greedy picks on the logits' device (only the ids come
+        to the host); sampling runs on the CPU with the per-request CPU generators (the same
+        draws whatever the device).
     """
-    logits = logits.float().cpu()
     if params.temperature < torch.finfo(torch.float32).tiny or logits.shape[0] == 0:
-        return logits.argmax(-1)  # (below fp32's smallest normal, x / T is 0 / 0 at the max)
+        return logits.argmax(-1).cpu()  # (below fp32's smallest normal, x / T is 0 / 0 at the max)
+    logits = logits.float().cpu()
     # shifted so that the largest is 0: a tiny temperature sends the others to -inf (greedy)
     # instead of overflowing every logit to +-inf (nan probabilities)
     shifted = logits - logits.max(-1, keepdim=True).values

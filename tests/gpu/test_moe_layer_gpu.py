@@ -378,3 +378,20 @@ def test_engine_decode_graph_replays_the_eager_steps(tmp_path, arch):
         out = run_requests(model, prompts, range(2), SamplingParams(max_new_tokens=4), stop_ids=[],
                            cuda_graphs=graphs)
         assert out.extra["cuda_graphs"] is graphs and all(len(t) == 4 for t in out.token_ids)
+
+
+def test_engine_decode_graph_capture_failure_names_the_way_out():
+    """A decode step that cannot be captured (here: it synchronizes the device) raises a
+    RuntimeError that says how to decode eagerly; the device works afterwards."""
+    from types import SimpleNamespace
+
+    from moe_runtime.engine.decode_graph import DecodeGraph
+
+    def step(ids, positions, valid, last, cache, kv_len):
+        torch.cuda.synchronize()
+        return ids.float()
+    graph = DecodeGraph(SimpleNamespace(device=torch.device(DEV)), SimpleNamespace(max_len=4), 2)
+    graph.model = step  # (a stand-in for the model's forward)
+    with pytest.raises(RuntimeError, match=r"cuda_graphs=False\) or `moe-runtime generate --eager`"):
+        graph(torch.tensor([1, 2]), torch.tensor([3, 4]))
+    assert torch.ones(3, device=DEV).sum().item() == 3
