@@ -343,8 +343,9 @@ def test_glm4_moe_without_shared_experts_loads_quietly(tmp_path, recwarn):
 ], ids=["latent_q", "plain_q_bias_no_dense", "yarn_mscale", "rms_norm_eps"])
 def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant, monkeypatch):
     """MLA (LatentAttention) against HF's DeepseekV3ForCausalLM in fp32: every position's
-    logits of a prefill (prompts longer than yarn's original context), also with the query
-    positions in chunks of 5 (a scores budget of 5 rows), and greedy decoding."""
+    logits of a prefill (prompts longer than yarn's original context) with kv_b_proj absorbed
+    (also with the query positions in chunks of 5: a scores budget of 5 rows) and with the
+    keys and values expanded (MLA_EXPAND_ROWS), and greedy decoding."""
     from moe_runtime.models import transformer
     from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -366,14 +367,16 @@ def test_deepseek_v3_latent_attention_logits_equal_hf(tmp_path, variant, monkeyp
     with torch.no_grad():
         ref = hf(ids).logits.float()
     heads = model.spec.num_heads
-    for budget in (transformer.SCORES_PER_CHUNK, 5 * B * heads * L):
+    for budget, expand in ((transformer.SCORES_PER_CHUNK, L + 1), (5 * B * heads * L, L + 1),
+                           (transformer.SCORES_PER_CHUNK, L)):
         monkeypatch.setattr(transformer, "SCORES_PER_CHUNK", budget)
+        monkeypatch.setattr(transformer, "MLA_EXPAND_ROWS", expand)
         for last in (0, 9, L - 1):  # (yarn: 16 positions originally) a fresh prefill each
             cache = model.new_cache(B, L)
             ours = model(ids, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool),
                          torch.full((B,), last), cache)
             err = ((ours - ref[:, last]).abs().max() / ref.abs().max()).item()
-            assert err < 1e-5, (budget, last, err)
+            assert err < 1e-5, (budget, expand, last, err)
     monkeypatch.undo()
     out = run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(max_new_tokens=8),
                        stop_ids=[])

@@ -259,6 +259,11 @@ class Attention(nn.Module):
         return _project_out(self, out.transpose(1, 2).reshape(B, L, -1))
 
 
+# Query positions from which MLA expands its keys and values (prefill). H200, DeepSeek-V3's
+# dense + MoE layers in bf16 (bench_out diagnostic mla_expand.py), absorbed / expanded ms per
+# prefill: B = 1, L = 128 7.5 / 9.0; L = 256 8.2 / 8.1; L = 1024 14.9 / 11.6; B = 8, L = 256
+# 18.2 / 15.2; L = 4096 92 / 31 (benchmarks/engine_step.py).
+MLA_EXPAND_ROWS = 256
 LATENT_NORM_EPS = 1e-6  # HF builds MLA's latent RMSNorms with its default eps, not rms_norm_eps
 
 
@@ -295,10 +300,12 @@ class LatentAttention(nn.Module):
                 positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """As Attention.forward; cos/sin [B, 1, L, qk_rope]; `cache` holds the latent
         (MoECausalLM.new_cache: one head of [kv_lora | rotated k_rope], values its first
-        kv_lora dims). kv_b_proj is absorbed (DeepSeek-V2 paper, arXiv 2405.04434, section
-        2.1.2): scores q_nope . (W_UK c) = (q_nope W_UK) . c, and the output W_UV (P c), so
-        keys and values are never expanded per head, neither in the cache nor in the attention
-        (`_grouped_attention`)."""
+        kv_lora dims). Below MLA_EXPAND_ROWS query positions (decode) kv_b_proj is absorbed
+        (DeepSeek-V2 paper, arXiv 2405.04434, section 2.1.2): scores q_nope . (W_UK c) =
+        (q_nope W_UK) . c, and the output W_UV (P c), so keys and values are never expanded
+        per head (`_grouped_attention` over the one latent head). A prefill expands the cached
+        latents into per-head keys [k_nope | k_rope] and values, as HF does, for SDPA: per
+        score it multiplies qk_head_dim + v_head_dim values instead of 2 kv_lora + qk_rope."""
         m = self.mla
         B, L, _ = x.shape
         nope, rope, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
@@ -310,9 +317,17 @@ class LatentAttention(nn.Module):
         turn = apply_rope_interleaved if m.rope_interleave else apply_rope
         q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, L, rope), cos, sin)
         w = self.kv_b_proj.weight.view(q.shape[1], nope + m.v_head_dim, C)  # this rank's heads
-        q_latent = torch.einsum("bhld,hdc->bhlc", q_pass, w[:, :nope])
         keys, values = cache.write(self.layer_idx, positions, torch.cat((latent, k_rot), dim=-1),
                                    None, mask.shape[-1])  # [B, 1, S, C + rope], [B, 1, S, C] (a view)
+        if L >= MLA_EXPAND_ROWS:
+            h, S = q.shape[1], keys.shape[2]
+            k_nope = torch.einsum("bsc,hdc->bhsd", values[:, 0], w[:, :nope])
+            k = torch.cat((k_nope, keys[:, :, :, C:].expand(B, h, S, rope)), dim=-1)
+            v = torch.einsum("bsc,hvc->bhsv", values[:, 0], w[:, nope:])
+            out = F.scaled_dot_product_attention(torch.cat((q_pass, q_rot), dim=-1), k, v,
+                                                 attn_mask=mask, scale=m.softmax_scale)
+            return _project_out(self, out.transpose(1, 2).reshape(B, L, -1))
+        q_latent = torch.einsum("bhld,hdc->bhlc", q_pass, w[:, :nope])
         ctx = _grouped_attention(torch.cat((q_latent, q_rot), dim=-1), keys, values, mask,
                                  m.softmax_scale)  # [B, heads, L, C]
         out = torch.einsum("bhlc,hvc->blhv", ctx, w[:, nope:])
