@@ -111,6 +111,8 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
                    default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0,
                    help="nucleus sampling mass")
+    p.add_argument("--top-k", type=_int_at_least(1), default=None,
+                   help="sample among the k most likely tokens (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ray-address", default=None, help=ray_address_help)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -162,12 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompts(args) -> list[str]:
+    """The --prompt texts or the --prompts-file lines. Raises UsageError: an unreadable or
+    non-UTF-8 prompts file, one with only blank lines, or a prompt that is not UTF-8 text."""
+    from .engine.driver import check_texts
     if args.prompt:
-        return list(args.prompt)
-    with open(args.prompts_file) as f:
-        prompts = [line.rstrip("\r\n") for line in f if line.strip()]
-    if not prompts:
-        raise UsageError(f"{args.prompts_file}: no prompts (only blank lines)")
+        prompts = list(args.prompt)
+    else:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\r\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompts-file {args.prompts_file}: "
+                             f"{e.strerror if isinstance(e, OSError) else e}") from None
+        if not prompts:
+            raise UsageError(f"{args.prompts_file}: no prompts (only blank lines)")
+    try:
+        check_texts(prompts)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return prompts
 
 
@@ -225,7 +239,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
     """Check the inputs, start the engine, generate, print; always shut down (Ctrl-C included)."""
     from .engine import Engine, SamplingParams
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     check_generate_inputs(model_dir, prompts, args)  # before Ray starts
     engine = None
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C

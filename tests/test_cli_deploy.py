@@ -218,6 +218,7 @@ def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     (["--max-new-tokens", "2.5"], "argument --max-new-tokens: must be an integer, got '2.5'"),
     (["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1, got 0"),
     (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
     (["--timeout", "0"], "argument --timeout: must be finite and >= 0.001 (seconds), got 0"),
     (["--timeout", "inf"], "argument --timeout: must be finite and >= 0.001 (seconds), got inf"),
@@ -274,8 +275,12 @@ def no_engine(monkeypatch):
     (["--prompt", "hi", "--world-size", "3"], "num_experts (8) must be divisible by world_size (3)"),
     (["--prompt", "hi", "--world-size", "2", "--topology", "local"], "topology 'local' needs world size 1"),
     (["--prompt", "hi", "--world-size", "2", "--topology", "tp", "--attention", "dp"],
-     "--attention applies to --topology auto only")])
+     "--attention applies to --topology auto only"),
+    (["--prompt", "ab\udcffcd"], "prompt 0 is not UTF-8 text (surrogates not allowed at character 2"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt: No such file")])
 def test_generate_input_errors_are_found_before_ray_starts(ckpt, capsys, no_engine, argv, message):
+    """(A prompt with undecodable command-line bytes, '\\udcff' as Python decodes them, used to
+    end in the tokenizer's TypeError traceback; a missing prompts file exited 1.)"""
     assert cli_main(["generate", "--model", str(ckpt)] + argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("moe-runtime: error: ") and message in err

@@ -449,6 +449,22 @@ def test_fixed_shape_decode_step_equals_the_eager_one(ckpts, arch):
     assert out.extra["cuda_graphs"] is False
 
 
+def test_rank_progress_grows_inside_a_prefill(ckpts):
+    """RankWorker.progress (what the driver polls to tell a long generation from a stuck one)
+    grows with every decoder layer of an eager forward, so one long prefill is not taken for
+    a stall (it counted forward passes only: a 7000-token prefill outlasting a short timeout
+    was killed as "made no progress")."""
+    from moe_runtime.engine.worker import RankWorker
+    w = RankWorker(0, 1, "cpu")
+    w.load(ckpts["qwen3-moe"], "local", progress=False)
+    seen = []
+    w.model.layers[1].register_forward_pre_hook(lambda m, a: seen.append((w.steps, w.progress())))
+    w.generate([[1, 2, 3]], [0], SamplingParams(max_new_tokens=3), stop_ids=[])
+    layers = len(w.model.layers)
+    assert seen[0] == (0, 1)  # in the prefill: no forward pass done yet, one layer
+    assert w.steps == 3 and w.progress() == 3 + 3 * layers
+
+
 def test_non_silu_activation_and_unsplittable_heads_are_refused_up_front(ckpts):
     """A gelu config would run with SiLU MLPs silently; tp with heads the ranks cannot split
     fails in the driver, before Ray starts."""
@@ -602,6 +618,42 @@ def test_sampling_params_reject_non_int_max_new_tokens_and_seed(kw):
     name = next(iter(kw))
     with pytest.raises(TypeError, match=f"{name} must be an int"):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(stop_token_ids="151645"), TypeError, "stop_token_ids must be a sequence of ints"),
+    (dict(stop_token_ids=12), TypeError, "stop_token_ids must be a sequence of ints"),
+    (dict(stop_token_ids=[True]), TypeError, "a stop token id must be an int"),
+    (dict(stop_token_ids=[1.0]), TypeError, "a stop token id must be an int"),
+    (dict(temperature="1"), TypeError, "temperature must be a number"),
+    (dict(top_p=None), TypeError, "top_p must be a number"),
+    (dict(top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(top_k=0), ValueError, "top_k must be >= 1"),
+])
+def test_sampling_params_name_the_bad_field(kw, error, message):
+    """A string of stop ids used to become its digits ("151645" -> (1, 5, 1, 6, 4, 5)) and
+    wrong types raised Python's own messages; each now names the field."""
+    with pytest.raises(error, match=message):
+        SamplingParams(**kw)
+    assert SamplingParams(stop_token_ids=range(3), top_k=2).stop_token_ids == (0, 1, 2)
+
+
+def test_sampler_top_k_and_distinct_request_seeds():
+    """top_k keeps the k most likely tokens (then top_p); request streams come from a hash of
+    (seed, request): seed 2**63 is not seed 0, and (1, 0) is not (0, 1000003)."""
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 2.8]])
+    hot = dict(temperature=100.0, seed=0)
+    g = request_generators(0, [0])
+    assert {int(sample(logits, SamplingParams(top_k=2, **hot), g)) for _ in range(200)} == {1, 2}
+    assert {int(sample(logits, SamplingParams(top_k=1, **hot), g)) for _ in range(20)} == {1}
+    assert {int(sample(logits, SamplingParams(top_k=3, top_p=0.5, **hot), g))
+            for _ in range(200)} == {1, 2}  # top_p over the 3 kept (each ~1/3)
+    assert len({int(sample(logits, SamplingParams(**hot), g)) for _ in range(200)}) == 5
+
+    def draws(seed, request):
+        return torch.rand(8, generator=request_generators(seed, [request])[0]).tolist()
+    assert draws(2 ** 63, 0) != draws(0, 0) and draws(1, 0) != draws(0, 1_000_003)
+    assert draws(5, 3) == draws(5, 3)
 
 
 def test_sampling_params_take_integral_numbers_as_int():

@@ -110,6 +110,20 @@ def choose_topology(requested: str, world_size: int, cluster=None, attention: st
     return sel.name, sel.reason
 
 
+def check_texts(prompts: Sequence[str]) -> None:
+    """Raises TypeError for a prompt that is not a str, ValueError for one that is not UTF-8
+    text (a lone surrogate: what Python makes of undecodable bytes in a command line)."""
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise TypeError(f"prompt {i} must be a str, got {type(p).__name__} {p!r:.60} (token "
+                            "ids go to Engine.generate_ids)")
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt {i} is not UTF-8 text ({e.reason} at character "
+                             f"{e.start}: {p[max(0, e.start - 10):e.end + 10]!r})") from None
+
+
 def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int) -> None:
     """The checks of a batch of tokenized prompts that Engine.generate_ids makes before anything
     reaches the ranks; callable without an engine (the CLI runs them before Ray starts).
@@ -215,8 +229,8 @@ class Engine:
         dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
         backend: kernel backend ("auto", "reference", "cute").
         timeout_s: bound on every phase (placement, rendezvous, collectives, load); generate
-            may take longer as long as its ranks make progress (a forward pass) within every
-            timeout_s.
+            may take longer as long as its ranks make progress (a decoder layer of a forward
+            pass) within every timeout_s.
         progress: tqdm bars while loading (shown through Ray's log forwarding).
         ray_init_kwargs: extra ray.init arguments for the embedded start.
         cuda_graphs: replay each decode step from a CUDA graph where a rank allows it (one
@@ -592,11 +606,14 @@ class Engine:
             TypeError: params not a SamplingParams, or one whose max_new_tokens / seed was set
                 to a non-int after construction (nothing reaches the ranks; the engine lives on).
             ValueError: an empty prompt, a token id (of a prompt or stop_token_ids) outside
-                the vocabulary, prompt + max_new_tokens over max_position_embeddings, or
+                the vocabulary, prompt + max_new_tokens over max_position_embeddings, a prompt
+                that is not UTF-8 text (e.g. a lone surrogate from undecodable bytes), or
                 max_batch_size < 1.
+            TypeError: also a prompt that is not a str (use generate_ids for token ids).
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # (str: one prompt,
         # as vLLM's LLM.generate takes it; an iterator is read once)
+        check_texts(prompts)
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
         return self.generate_ids(ids, params, prompts=prompts, max_batch_size=max_batch_size,
                                  fail_at_step=fail_at_step)

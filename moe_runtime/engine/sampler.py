@@ -1,10 +1,11 @@
-"""Sampling: greedy, or temperature + top-p (nucleus) with one seeded generator per request."""
+"""Sampling: greedy, or temperature + top-k + top-p (nucleus) with one seeded generator per request."""
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -16,6 +17,7 @@ class SamplingParams:
     Attributes:
         max_new_tokens: generate at most this many tokens per request (an int >= 1).
         temperature: 0 = greedy (argmax); > 0 divides the logits before the softmax.
+        top_k: keep the top_k most likely tokens (an int >= 1; None = all), before top_p.
         top_p: keep the smallest set of most likely tokens whose mass reaches top_p (0 < p <= 1).
         seed: an int; request i (its position in the batch passed to generate) draws from a
             torch.Generator seeded with (seed, i). So the same seed and the same position draw
@@ -27,10 +29,12 @@ class SamplingParams:
             `tp` sums partial results), so a near-tie between two tokens can go either way
             there, greedy included (as in HF transformers, which also differs from float32).
         stop_token_ids: stop a request when it samples one of these (included in its output);
-            None = the model's EOS ids.
+            a sequence of ints, None = the model's EOS ids.
 
     Raises:
-        TypeError: max_new_tokens or seed not an int (a bool or a float included).
+        TypeError: max_new_tokens, seed, top_k or a stop token id not an int (a bool or a
+            float included), temperature / top_p not a real number, stop_token_ids a string
+            or not a sequence.
         ValueError: out-of-range values.
     """
 
@@ -39,6 +43,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: Optional[tuple[int, ...]] = None
+    top_k: Optional[int] = None
 
     def __post_init__(self):
         self.validate()
@@ -50,27 +55,44 @@ class SamplingParams:
         Raises:
             TypeError, ValueError: as the constructor.
         """
-        for name in ("max_new_tokens", "seed"):
+        for name in ("max_new_tokens", "seed") + (("top_k",) if self.top_k is not None else ()):
+            object.__setattr__(self, name, _int(name, getattr(self, name)))
+        for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-            object.__setattr__(self, name, int(value))  # e.g. numpy.int64 -> int
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # also rejects nan
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            ids = self.stop_token_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise TypeError(f"stop_token_ids must be a sequence of ints or None, got "
+                                f"{type(ids).__name__} {ids!r}")
+            object.__setattr__(self, "stop_token_ids",
+                               tuple(_int("a stop token id", t) for t in ids))
+
+
+def _int(name: str, value) -> int:
+    """value as an int (numpy integers included). Raises TypeError for a bool, float or other."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
 
 
 def request_generators(seed: int, request_ids: Sequence[int]) -> list[torch.Generator]:
-    """One CPU generator per request, seeded from (seed, global request index)."""
+    """One CPU generator per request, seeded with a 64-bit BLAKE2b hash of (seed, global
+    request index): distinct pairs get distinct streams (any int seed, no wrap-around)."""
     gens = []
     for i in request_ids:
         g = torch.Generator()
-        g.manual_seed((int(seed) * 1_000_003 + int(i)) % (2 ** 63))
+        digest = hashlib.blake2b(f"{int(seed)}:{int(i)}".encode(), digest_size=8).digest()
+        g.manual_seed(int.from_bytes(digest, "little"))
         gens.append(g)
     return gens
 
@@ -80,7 +102,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
 
     Args:
         logits: fp32 [B, V].
-        params: temperature / top_p (greedy when temperature == 0).
+        params: temperature / top_k / top_p (greedy when temperature == 0).
         generators: B CPU generators (used only when sampling).
 
     Returns:
@@ -94,6 +116,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
     # shifted so that the largest is 0: a tiny temperature sends the others to -inf (greedy)
     # instead of overflowing every logit to +-inf (nan probabilities)
     shifted = logits - logits.max(-1, keepdim=True).values
+    if params.top_k is not None and params.top_k < shifted.shape[-1]:
+        kth = shifted.topk(params.top_k, dim=-1).values[:, -1:]
+        shifted = shifted.masked_fill(shifted < kth, float("-inf"))  # (ties at the k-th kept)
     probs = torch.softmax(shifted / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)

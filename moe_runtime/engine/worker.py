@@ -39,6 +39,7 @@ class RankWorker:
         self.timeout_s: Optional[float] = None
         self.model = None
         self.steps = 0  # forward passes of the running (or last) generate
+        self.layers_run = 0  # decoder layers run by its eager forwards (one prefill can be long)
 
     def pid(self) -> int:
         """This actor's process id (tests check that the process is gone after shutdown)."""
@@ -78,6 +79,8 @@ class RankWorker:
             warnings.simplefilter("always")
             self.model = load_model(model_dir, parallel, dtype=dtype, device=self.device,
                                     progress=progress)
+        for layer in self.model.layers:  # (a graph replay runs no hook: its step is counted)
+            layer.register_forward_hook(self._layer_done)
         layer = next((l.mlp for l in self.model.layers if hasattr(l.mlp, "local_expert_range")), None)
         experts = layer.local_expert_range if layer is not None else range(0)
         sh = self.model.shard
@@ -94,7 +97,7 @@ class RankWorker:
         from .scheduler import run_requests
         if self.model is None:
             raise RuntimeError(f"rank {self.rank}: no model loaded")
-        self.steps = 0
+        self.steps = self.layers_run = 0
         return run_requests(self.model, prompts, request_ids, params, stop_ids,
                             fail_at_step=fail_at_step, on_step=self._count,
                             cuda_graphs=cuda_graphs)
@@ -102,11 +105,16 @@ class RankWorker:
     def _count(self, steps: int) -> None:
         self.steps = steps
 
+    def _layer_done(self, module, args, output) -> None:
+        self.layers_run += 1
+
     @ray.method(concurrency_group=PROGRESS_GROUP)
     def progress(self) -> int:
-        """Forward passes of the running (or last) generate; runs beside it (its own
-        concurrency group), so the driver can tell a long generation from a stuck one."""
-        return self.steps
+        """The work done by the running (or last) generate, growing with every forward pass
+        and every decoder layer of an eager one (a long prefill is one forward pass); runs
+        beside it (its own concurrency group), so the driver can tell a long generation from
+        a stuck one."""
+        return self.steps + self.layers_run
 
     def shutdown(self) -> None:
         """Leave the process group (best effort)."""
