@@ -34,7 +34,7 @@ from moe_runtime.models import Parallel
 from moe_runtime.models.transformer import MoECausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from local_dispatch_combine import copy_bandwidth, require_cuda  # noqa: E402
+from local_dispatch_combine import copy_bandwidth, eager_us, require_cuda  # noqa: E402
 
 # name -> (spec module, transformers config class, config kwargs, prefill L, decode (B, S) cases)
 MODELS = {
@@ -80,18 +80,6 @@ def build(name: str) -> MoECausalLM:
     return model.eval()
 
 
-def timed_us(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / n
-
-
 def step_floor_bytes(model: MoECausalLM, B: int, S: int) -> int:
     """Bytes a decode step reads at least (see the module docstring)."""
     total = 0
@@ -124,7 +112,7 @@ def run_model(name: str, bw: float) -> list[dict]:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            row["us"] = timed_us(lambda: model(ids, pos, valid, last, cache), 3)
+            row["us"] = eager_us(lambda: model(ids, pos, valid, last, cache), reps=3)
             row["peak_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         except torch.OutOfMemoryError as e:
             row["error"] = f"OOM: {str(e).splitlines()[0]}"
@@ -137,9 +125,9 @@ def run_model(name: str, bw: float) -> list[dict]:
         pos = torch.full((B, 1), S - 1, device="cuda")
         valid = torch.ones(B, 1, dtype=torch.bool, device="cuda")
         zeros = torch.zeros(B, dtype=torch.int64, device="cuda")
-        us = timed_us(lambda: model(ids, pos, valid, zeros, cache), 20)
+        us = eager_us(lambda: model(ids, pos, valid, zeros, cache), reps=20)
         graph = DecodeGraph(model, cache, B)
-        graph_us = timed_us(lambda: graph(ids.flatten(), pos.flatten()), 50)
+        graph_us = eager_us(lambda: graph(ids.flatten(), pos.flatten()), reps=50)
         floor = step_floor_bytes(model, B, S) / bw * 1e6
         rows.append({"model": name, "kind": "decode", "B": B, "S": S, "us": us,
                      "graph_us": graph_us, "floor_us": floor, "vs_floor": graph_us / floor})
