@@ -7,8 +7,9 @@ Models (bf16, random weights, built in memory: released per-layer sizes, fewer l
                  64, E 256, k 8, I 2048, 1 shared expert), its first (dense) layer and one MoE
                  layer.
 Rows, µs per forward (CUDA events over back-to-back forwards, after warm-up):
-  prefill  B = 1, L tokens, fresh positions 0..L-1; `peak GiB` is the allocator's peak during
-           it above what was allocated before;
+  prefill  B = 1, L tokens, fresh positions 0..L-1 (forward(prefill=True), as run_requests
+           calls it); `peak GiB` is the allocator's peak during it above what was allocated
+           before;
   decode   B sequences, one token each at position S - 1 (S cached positions): `eager` the
            forward as run_requests calls it without graphs, `graph` its step replayed from
            engine.decode_graph's CUDA graph (attention over all S positions of the cache).
@@ -112,7 +113,7 @@ def run_model(name: str, bw: float) -> list[dict]:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            row["us"] = eager_us(lambda: model(ids, pos, valid, last, cache), reps=3)
+            row["us"] = eager_us(lambda: model(ids, pos, valid, last, cache, prefill=True), reps=3)
             row["peak_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         except torch.OutOfMemoryError as e:
             row["error"] = f"OOM: {str(e).splitlines()[0]}"

@@ -449,6 +449,25 @@ def test_fixed_shape_decode_step_equals_the_eager_one(ckpts, arch):
     assert out.extra["cuda_graphs"] is False
 
 
+@pytest.mark.parametrize("arch,expand", [("qwen3-moe", None), ("mixtral", None),
+                                         ("deepseek-v3", None), ("deepseek-v3", 1)])
+def test_causal_prefill_equals_the_masked_one(ckpts, arch, expand, monkeypatch):
+    """forward(prefill=True) (positions 0..L-1: SDPA's is_causal, or the causal mask built
+    where attention is two bmm) gives the explicit mask's logits at every position, fp32;
+    deepseek-v3 absorbed (short L) and expanded (MLA_EXPAND_ROWS=1)."""
+    from moe_runtime.models import transformer
+    if expand is not None:
+        monkeypatch.setattr(transformer, "MLA_EXPAND_ROWS", expand)
+    model = load_model(ckpts[arch], progress=False)
+    B, L = 2, 11
+    ids = torch.randint(0, model.spec.vocab_size, (B, L), generator=torch.Generator().manual_seed(1))
+    pos, valid = torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool)
+    for last in (0, 5, L - 1):
+        ref = model(ids, pos, valid, torch.full((B,), last), model.new_cache(B, L))
+        got = model(ids, pos, valid, torch.full((B,), last), model.new_cache(B, L), prefill=True)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_rank_progress_grows_inside_a_prefill(ckpts):
     """RankWorker.progress (what the driver polls to tell a long generation from a stuck one)
     grows with every decoder layer of an eager forward, so one long prefill is not taken for

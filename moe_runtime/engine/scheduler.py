@@ -135,7 +135,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
 
     _sync(dev)
     t0 = time.perf_counter()
-    logits = model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev), cache)
+    logits = model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev),
+                   cache, prefill=True)
     _sync(dev)
     out.prefill_s = time.perf_counter() - t0
     if on_step is not None:

@@ -149,21 +149,33 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 DECODE_ROWS = 8  # query rows per kv head up to which attention is two bmm, not SDPA
 
 
+def _kv_len(mask: Optional[torch.Tensor], L: int) -> int:
+    """The cached positions attention reads: the mask's S, or L for the causal mask (None)."""
+    return mask.shape[-1] if mask is not None else L
+
+
+def _sdpa(q, keys, values, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """SDPA with a bool mask [B, 1, L, S], or causal over L == S positions when mask is None
+    (is_causal: the mask is not materialized, and the flash kernels apply)."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                          is_causal=mask is None, scale=scale)
+
+
 def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) -> torch.Tensor:
     """Write k, v into the cache and attend over the cached prefix (S = mask.shape[-1]).
     q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v [B, kv_heads, L, Dv], mask bool [B, 1, L, S]
-    -> [B, heads, L, Dv]. Decode steps (at most DECODE_ROWS query rows per kv head) run
+    or None (causal over a fresh prefill, S = L) -> [B, heads, L, Dv]. Decode steps (at most DECODE_ROWS query rows per kv head) run
     `_grouped_attention`: on the H200 torch's SDPA (cuDNN) took 90 / 694 µs for one sequence
     at S = 4096 / 32768 (32 query, 4 kv heads of 128, bf16) against 27 / 87 µs for the two
     bmm, as it splits the work by query tiles (bench_out diagnostic attn_decode.py). Prefill
     runs SDPA over the kv heads repeated per query head."""
-    keys, values = cache.write(module.layer_idx, positions, k, v, mask.shape[-1])
+    keys, values = cache.write(module.layer_idx, positions, k, v, _kv_len(mask, q.shape[2]))
     rep = q.shape[1] // keys.shape[1]
     if rep * q.shape[2] <= DECODE_ROWS:
         return _grouped_attention(q, keys, values, mask, scale)
     if rep > 1:
         keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return _sdpa(q, keys, values, mask, scale)
 
 
 SCORES_PER_CHUNK = 1 << 26  # `_grouped_attention`'s scores per query chunk (64 Mi: ~0.5 GiB transient)
@@ -175,11 +187,13 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     MLA's one latent head), so the keys and values are never repeated per query head: two bmm
     over B * kv_heads, softmax in fp32. q [B, heads, L, Dk], keys [B, kv_heads, S, Dk], values
     [B, kv_heads, S, Dv], mask bool [B, 1, L, S] (True = attend; every row attends somewhere)
-    -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks of
+    or None (causal, L = S) -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks of
     at most SCORES_PER_CHUNK scores (a long MLA prefill would otherwise hold B * heads * L * S
     of them, e.g. 128 heads at L = S = 8192: 8.6 G scores)."""
     B, h, L, Dk = q.shape
     kv, S = keys.shape[1], keys.shape[2]
+    if mask is None:
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()[None, None]
     chunk = max(1, SCORES_PER_CHUNK // max(1, B * h * S))
     if L > chunk:
         return torch.cat([_grouped_attention(q[:, :, i:i + chunk], keys, values,
@@ -318,14 +332,13 @@ class LatentAttention(nn.Module):
         q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, L, rope), cos, sin)
         w = self.kv_b_proj.weight.view(q.shape[1], nope + m.v_head_dim, C)  # this rank's heads
         keys, values = cache.write(self.layer_idx, positions, torch.cat((latent, k_rot), dim=-1),
-                                   None, mask.shape[-1])  # [B, 1, S, C + rope], [B, 1, S, C] (a view)
+                                   None, _kv_len(mask, L))  # [B, 1, S, C + rope], [B, 1, S, C] (a view)
         if L >= MLA_EXPAND_ROWS:
             h, S = q.shape[1], keys.shape[2]
             k_nope = torch.einsum("bsc,hdc->bhsd", values[:, 0], w[:, :nope])
             k = torch.cat((k_nope, keys[:, :, :, C:].expand(B, h, S, rope)), dim=-1)
             v = torch.einsum("bsc,hvc->bhsv", values[:, 0], w[:, nope:])
-            out = F.scaled_dot_product_attention(torch.cat((q_pass, q_rot), dim=-1), k, v,
-                                                 attn_mask=mask, scale=m.softmax_scale)
+            out = _sdpa(torch.cat((q_pass, q_rot), dim=-1), k, v, mask, m.softmax_scale)
             return _project_out(self, out.transpose(1, 2).reshape(B, L, -1))
         q_latent = torch.einsum("bhld,hdc->bhlc", q_pass, w[:, :nope])
         ctx = _grouped_attention(torch.cat((q_latent, q_rot), dim=-1), keys, values, mask,
@@ -441,7 +454,7 @@ class MoECausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 valid: Optional[torch.Tensor], last_index: torch.Tensor, cache,
-                kv_len: Optional[int] = None) -> torch.Tensor:
+                kv_len: Optional[int] = None, prefill: bool = False) -> torch.Tensor:
         """One prefill or decode step for a batch of sequences.
 
         Args:
@@ -454,6 +467,9 @@ class MoECausalLM(nn.Module):
                 positions.max() + 1 positions.
             kv_len: the cached positions attention reads, >= positions.max() + 1 (the mask
                 hides those past each token's position); None: positions.max() + 1.
+            prefill: every row's positions are 0..L-1 and nothing is cached before them (a
+                fresh prefill, as scheduler.run_requests makes it): without a sliding window
+                the mask is then the causal one, which SDPA applies without materializing it.
 
         Returns:
             fp32 logits [B, vocab_size]. B may be 0 (a dp rank without requests still runs
@@ -468,7 +484,9 @@ class MoECausalLM(nn.Module):
         cos = sin = mask = None
         if B:
             cos, sin = self._rope(positions, x.dtype)
-            mask = self._mask(positions, kv_len if kv_len is not None else int(positions.max()) + 1)
+            if not (prefill and not self.spec.sliding_window):
+                mask = self._mask(positions, kv_len if kv_len is not None
+                                  else int(positions.max()) + 1)
         rows = None if valid is None else valid.flatten().nonzero().flatten()
         for layer in self.layers:
             x = layer(x, cos, sin, positions, mask, rows, cache)
