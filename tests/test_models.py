@@ -468,6 +468,17 @@ def test_causal_prefill_equals_the_masked_one(ckpts, arch, expand, monkeypatch):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("topology", ["tp", "dp_nvlink", "dp_p2p"])
+def test_one_rank_of_a_multi_rank_topology_runs_local_moe_quietly(ckpts, topology, caplog):
+    """Engine(world_size=1, topology="tp") built tp MoE topologies without a process group,
+    each logging "built while torch.distributed is not initialized"; one rank is `local`."""
+    import logging
+    with caplog.at_level(logging.WARNING):
+        model = load_model(ckpts["qwen3-moe"], Parallel(topology, 0, 1), progress=False)
+    assert {l.mlp.topology.name for l in model.layers} == {"local"}
+    assert "not initialized" not in caplog.text
+
+
 def test_rank_progress_grows_inside_a_prefill(ckpts):
     """RankWorker.progress (what the driver polls to tell a long generation from a stuck one)
     grows with every decoder layer of an eager forward, so one long prefill is not taken for

@@ -362,7 +362,9 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, dt)
         else:
             from ..topologies import make_topology
-            topo = make_topology(parallel.topology, spec.moe.num_experts,
+            # (one rank: every multi-rank topology is `local`, without its "not initialized" warning)
+            topo = make_topology(parallel.topology if parallel.world_size > 1 else "local",
+                                 spec.moe.num_experts,
                                  group=parallel.group if parallel.world_size > 1 else None,
                                  backend=parallel.backend,
                                  **({"timeout_s": parallel.timeout_s} if parallel.world_size > 1 else {}))
