@@ -128,7 +128,8 @@ def run_model(name: str, bw: float) -> list[dict]:
         zeros = torch.zeros(B, dtype=torch.int64, device="cuda")
         us = eager_us(lambda: model(ids, pos, valid, zeros, cache), reps=20)
         graph = DecodeGraph(model, cache, B)
-        graph_us = eager_us(lambda: graph(ids.flatten(), pos.flatten()), reps=50)
+        host_ids, host_pos = ids.flatten().cpu(), pos.flatten().cpu()  # (as run_requests passes them)
+        graph_us = eager_us(lambda: graph(host_ids, host_pos), reps=50)
         floor = step_floor_bytes(model, B, S) / bw * 1e6
         rows.append({"model": name, "kind": "decode", "B": B, "S": S, "us": us,
                      "graph_us": graph_us, "floor_us": floor, "vs_floor": graph_us / floor})

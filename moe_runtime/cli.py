@@ -171,7 +171,7 @@ def _read_prompts(args) -> list[str]:
         prompts = list(args.prompt)
     else:
         try:
-            with open(args.prompts_file, encoding="utf-8") as f:
+            with open(args.prompts_file, encoding="utf-8-sig") as f:  # (a BOM is not text)
                 prompts = [line.rstrip("\r\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompts-file {args.prompts_file}: "

@@ -332,3 +332,26 @@ def test_help_shows_defaults(capsys):
     assert build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--eager"]).eager
     assert build_parser().parse_args(["demo"]).no_progress  # the demo's bars: off unless asked
     assert not build_parser().parse_args(["demo", "--progress"]).no_progress
+
+
+def test_prompts_file_bom_is_not_prompt_text(tmp_path):
+    """A prompts file saved with a UTF-8 byte-order mark (Windows editors) kept '\\ufeff' at
+    the start of its first prompt."""
+    from types import SimpleNamespace
+
+    from moe_runtime.cli import _read_prompts
+    f = tmp_path / "p.txt"
+    f.write_bytes("\ufeffhello\r\n\r\nworld\n".encode("utf-8"))
+    assert _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(f))) == ["hello", "world"]
+
+
+def test_generate_refuses_bytes_and_non_str_prompts():
+    """Engine.generate(b"abc") reported "prompt 0 must be a str, got int 97" (the bytes split
+    into ints); both checks come before anything reaches the ranks."""
+    from types import SimpleNamespace
+
+    from moe_runtime.engine import Engine
+    with pytest.raises(TypeError, match="got bytes"):
+        Engine.generate(SimpleNamespace(), b"abc")
+    with pytest.raises(TypeError, match="prompt 1 must be a str, got list"):
+        Engine.generate(SimpleNamespace(), ["a", [1, 2]])

@@ -3,14 +3,15 @@
 An eager decode step launches several hundred small kernels (attention, norms, RoPE, and the
 MoE layers' routing, dispatch, experts and combine in every layer), so the host sets its pace,
 not the GPU: Qwen3-30B-A3B's layers (8 of 48) on an H200 took ~11 ms per step eagerly for
-~2 ms of kernels (benchmarks/engine_step.py). `DecodeGraph` captures the step once per
-generate call, for the batch's B sequences over its KV cache, and replays it for every token.
+~2 ms of kernels (benchmarks/engine_step.py). `DecodeGraph` captures the step for the batch's B
+sequences over its KV cache and replays it for every token.
 
 The captured step has fixed shapes and never reads the device from the host
-(MoECausalLM.forward with `kv_len` and valid None): attention reads all `cache.max_len`
-positions (the causal mask hides those past each sequence's position), and every sequence
-goes through the MoE layers, finished ones too (their logits are not used and their cache
-slot is past anything read). Multi-rank topologies stay eager: their collectives check
+(MoECausalLM.forward with `kv_len` and valid None): attention reads a fixed number of cached
+positions, the power-of-two bucket of the longest sequence's (the causal mask hides those past
+each sequence's position; a new bucket is captured when the sequences outgrow it), and every
+sequence goes through the MoE layers, finished ones too (their logits are not used and their
+cache slot is past anything read). Multi-rank topologies stay eager: their collectives check
 errors and peers from the host.
 """
 from __future__ import annotations
@@ -29,14 +30,19 @@ def graphs_apply(model) -> bool:
                     if isinstance(layer.mlp, MoELayer)))
 
 
+KV_BUCKET_MIN = 256  # the fewest cached positions a captured step attends over
+
+
 class DecodeGraph:
-    """The decode step of `model` for `batch` sequences over `cache`, captured by the first
-    call and replayed by every call.
+    """The decode step of `model` for `batch` sequences over `cache`, captured per length
+    bucket (`kv_bucket`) and replayed: a step attends over the bucket of the longest sequence's
+    positions, not the whole cache, and a generate call captures O(log max_len) graphs (only
+    the current one is kept: lengths only grow).
 
     Args:
         model: a MoECausalLM for which `graphs_apply` holds.
-        cache: its engine.kv_cache.KVCache for these sequences (the graph reads and writes
-            this cache's tensors).
+        cache: its engine.kv_cache.KVCache for these sequences (the graphs read and write this
+            cache's tensors).
         batch: B, the sequences (>= 1).
     """
 
@@ -46,18 +52,26 @@ class DecodeGraph:
         self.ids = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self.last = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.kv_len = 0  # the bucket of the current graph (0: none yet)
         self.graph = None
         self.logits = None
 
+    def kv_bucket(self, needed: int) -> int:
+        """The cached positions a step attends over when its sequences need `needed`: the next
+        power of two (at least KV_BUCKET_MIN), at most cache.max_len; so a step reads at most
+        twice the cache it needs."""
+        return min(max(KV_BUCKET_MIN, 1 << (needed - 1).bit_length()), self.cache.max_len)
+
     def _step(self) -> torch.Tensor:
         return self.model(self.ids, self.positions, None, self.last, self.cache,
-                          kv_len=self.cache.max_len)
+                          kv_len=self.kv_len)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step: token `tokens[b]` at position `positions[b]` of sequence b.
 
         Args:
-            tokens, positions: int64 [B] (any device; copied to the model's).
+            tokens, positions: int64 [B] (on the host, or the positions' max is read from the
+                device); every position < cache.max_len.
 
         Returns:
             fp32 logits [B, vocab_size]: the graph's output buffer, overwritten by the next
@@ -65,10 +79,13 @@ class DecodeGraph:
         """
         self.ids.copy_(tokens.view(-1, 1))
         self.positions.copy_(positions.view(-1, 1))
-        if self.graph is None:
-            # The first step runs eagerly on a side stream (kernels compiled, workspaces
-            # allocated: nothing may do that inside a capture), then is captured; replaying it
-            # writes the same cache entries again.
+        kv_len = self.kv_bucket(int(positions.max()) + 1)
+        if kv_len != self.kv_len:
+            self.graph = self.logits = None  # (its memory goes back before the next capture)
+            self.kv_len = kv_len
+            # The first step of a bucket runs eagerly on a side stream (kernels compiled,
+            # workspaces allocated: nothing may do that inside a capture), then is captured;
+            # replaying it writes the same cache entries again.
             side = torch.cuda.Stream(self.ids.device)
             side.wait_stream(torch.cuda.current_stream(self.ids.device))
             with torch.cuda.stream(side):

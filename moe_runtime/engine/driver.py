@@ -611,6 +611,8 @@ class Engine:
                 max_batch_size < 1.
             TypeError: also a prompt that is not a str (use generate_ids for token ids).
         """
+        if isinstance(prompts, (bytes, bytearray)):
+            raise TypeError("prompts must be a str or a list of str, got bytes (decode it first)")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # (str: one prompt,
         # as vLLM's LLM.generate takes it; an iterator is read once)
         check_texts(prompts)

@@ -38,9 +38,9 @@ class KVCache:
             layer: layer index.
             positions: int64 [B, L], the slot of each new token.
             k, v: [B, kv_heads, L, head_dim] (v None with values_in_keys).
-            length: S = positions.max() + 1, the prefix returned (the caller computes it once
+            length: S >= positions.max() + 1, the prefix returned (the caller computes it once
                 per forward: reading it from `positions` here would wait for the device in
-                every layer).
+                every layer; so the positions are not checked against it).
 
         Returns:
             (keys, values) [B, kv_heads, S, head_dim] (values: [..., values_in_keys], a view of
@@ -51,7 +51,7 @@ class KVCache:
         """
         S = length
         if S > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions, asked to write position {S - 1}")
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked for {S}")
         b = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
         kc = self.k[layer]
         kc[b, :, positions] = k.transpose(1, 2).to(kc.dtype)

@@ -58,9 +58,7 @@ class SamplingParams:
         for name in ("max_new_tokens", "seed") + (("top_k",) if self.top_k is not None else ()):
             object.__setattr__(self, name, _int(name, getattr(self, name)))
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -79,10 +77,25 @@ class SamplingParams:
 
 
 def _int(name: str, value) -> int:
-    """value as an int (numpy integers included). Raises TypeError for a bool, float or other."""
+    """value as an int (numpy integers and one-element integer tensors included). Raises
+    TypeError for a bool, a float or anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
+            value.dtype == torch.bool or value.is_floating_point() or value.is_complex()):
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def _real(name: str, value) -> float:
+    """value as a float (ints, numpy numbers and one-element real tensors included). Raises
+    TypeError for a bool, a string or anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
+            value.dtype == torch.bool or value.is_complex()):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def request_generators(seed: int, request_ids: Sequence[int]) -> list[torch.Generator]:

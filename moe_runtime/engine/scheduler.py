@@ -74,13 +74,17 @@ def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.T
                           timeout_s=parallel.timeout_s).cpu()
 
 
-def _decode_step(model, cache, batch: int, cuda_graphs: bool):
+GRAPH_MIN_STEPS = 4  # decode steps from which capturing (~2 eager steps' time) pays off
+
+
+def _decode_step(model, cache, batch: int, steps: int, cuda_graphs: bool):
     """(step, graphed): step(tokens, lengths, active) runs one decode step (host tensors: int64
     [B] each sequence's token and position, bool [B] the sequences still generating) and
-    returns its logits; replayed from a DecodeGraph where `cuda_graphs`, B >= 1 and
-    graphs_apply(model), else an eager forward whose MoE layers see the active sequences."""
+    returns its logits; replayed from a DecodeGraph where `cuda_graphs`, B >= 1, at least
+    GRAPH_MIN_STEPS decode `steps` and graphs_apply(model), else an eager forward whose MoE
+    layers see the active sequences."""
     dev = model.device
-    if cuda_graphs and batch and graphs_apply(model):
+    if cuda_graphs and batch and steps >= GRAPH_MIN_STEPS and graphs_apply(model):
         graph = DecodeGraph(model, cache, batch)
         return (lambda tokens, lengths, active: graph(tokens, lengths)), True
     zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
@@ -105,9 +109,10 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         fail_at_step: testing aid: raise RuntimeError at this decode step (fault tests).
         on_step: called with the number of forward passes done (1 after prefill, then one more
             per decode step): the rank's progress (RankWorker.progress).
-        cuda_graphs: replay the decode steps from a CUDA graph where the model allows it
-            (decode_graph.graphs_apply: one rank on CUDA, MoE layers free of host syncs);
-            RankOutput.extra["cuda_graphs"] says whether it did.
+        cuda_graphs: replay the decode steps from CUDA graphs where the model allows it
+            (decode_graph.graphs_apply: one rank on CUDA, MoE layers free of host syncs) and
+            there are GRAPH_MIN_STEPS of them or more; RankOutput.extra["cuda_graphs"] says
+            whether it did.
 
     Returns:
         RankOutput. finish_reasons: "stop" (a stop token) or "length" (max_new_tokens).
@@ -145,7 +150,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     t0 = time.perf_counter()
     active = torch.ones(B, dtype=torch.bool)
     lengths = lens.clone()
-    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, B, cuda_graphs)
+    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, B, params.max_new_tokens - 1,
+                                                    cuda_graphs)
     for step in range(params.max_new_tokens):
         tokens = _from_rank0(sample(logits, params, gens), model.parallel, dev)
         for b in active.nonzero().flatten().tolist():

@@ -146,7 +146,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-DECODE_ROWS = 8  # query rows per kv head up to which attention is two bmm, not SDPA
+DECODE_POSITIONS = 2  # query positions (per sequence) up to which attention is two bmm, not SDPA
 
 
 def _kv_len(mask: Optional[torch.Tensor], L: int) -> int:
@@ -164,47 +164,51 @@ def _sdpa(q, keys, values, mask: Optional[torch.Tensor], scale: float) -> torch.
 def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) -> torch.Tensor:
     """Write k, v into the cache and attend over the cached prefix (S = mask.shape[-1]).
     q [B, heads, L, Dk], k [B, kv_heads, L, Dk], v [B, kv_heads, L, Dv], mask bool [B, 1, L, S]
-    or None (causal over a fresh prefill, S = L) -> [B, heads, L, Dv]. Decode steps (at most DECODE_ROWS query rows per kv head) run
-    `_grouped_attention`: on the H200 torch's SDPA (cuDNN) took 90 / 694 µs for one sequence
-    at S = 4096 / 32768 (32 query, 4 kv heads of 128, bf16) against 27 / 87 µs for the two
-    bmm, as it splits the work by query tiles (bench_out diagnostic attn_decode.py). Prefill
-    runs SDPA over the kv heads repeated per query head."""
+    or None (causal over a fresh prefill, S = L) -> [B, heads, L, Dv]. Decode steps (at most
+    DECODE_POSITIONS query positions) run `_grouped_attention`: on the H200 torch's SDPA
+    (cuDNN) took 90 / 694 µs for one sequence at S = 4096 / 32768 (32 query, 4 kv heads of
+    128, bf16) against 27 / 87 µs for the two bmm, as it splits the work by query tiles (bench_out
+    diagnostic attn_decode.py; at 4 positions of 16 sequences SDPA was faster, 108 / 159 µs).
+    Prefill runs SDPA over the kv heads repeated per query head."""
     keys, values = cache.write(module.layer_idx, positions, k, v, _kv_len(mask, q.shape[2]))
     rep = q.shape[1] // keys.shape[1]
-    if rep * q.shape[2] <= DECODE_ROWS:
+    if q.shape[2] <= DECODE_POSITIONS:
         return _grouped_attention(q, keys, values, mask, scale)
     if rep > 1:
         keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
     return _sdpa(q, keys, values, mask, scale)
 
 
-SCORES_PER_CHUNK = 1 << 26  # `_grouped_attention`'s scores per query chunk (64 Mi: ~0.5 GiB transient)
+SCORES_PER_CHUNK = 1 << 26  # `_grouped_attention`'s scores per query chunk (64 Mi: ~0.6 GiB transient)
 
 
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention with the query heads of each kv head folded into its query rows (GQA, and
     MLA's one latent head), so the keys and values are never repeated per query head: two bmm
-    over B * kv_heads, softmax in fp32. q [B, heads, L, Dk], keys [B, kv_heads, S, Dk], values
-    [B, kv_heads, S, Dv], mask bool [B, 1, L, S] (True = attend; every row attends somewhere)
-    or None (causal, L = S) -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks of
-    at most SCORES_PER_CHUNK scores (a long MLA prefill would otherwise hold B * heads * L * S
-    of them, e.g. 128 heads at L = S = 8192: 8.6 G scores)."""
+    over B * kv_heads; scores and softmax in fp32 (bf16 scores were 6-23x less accurate than
+    SDPA's), the probabilities in the values' dtype for the second bmm, as HF's eager
+    attention. q [B, heads, L, Dk], keys [B, kv_heads, S, Dk], values [B, kv_heads, S, Dv],
+    mask bool [B, 1, L, S] (True = attend; every row attends somewhere) or None (causal, L =
+    S) -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks
+    of about SCORES_PER_CHUNK scores (one position at least; a long MLA prefill would
+    otherwise hold B * heads * L * S of them, e.g. 128 heads at L = S = 8192: 8.6 G)."""
     B, h, L, Dk = q.shape
     kv, S = keys.shape[1], keys.shape[2]
     if mask is None:
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()[None, None]
+    keys_t = keys.reshape(B * kv, S, Dk).transpose(1, 2).float()
+    values = values.reshape(B * kv, S, -1)
     chunk = max(1, SCORES_PER_CHUNK // max(1, B * h * S))
-    if L > chunk:
-        return torch.cat([_grouped_attention(q[:, :, i:i + chunk], keys, values,
-                                             mask[:, :, i:i + chunk], scale)
-                          for i in range(0, L, chunk)], dim=2)
-    rows = q.reshape(B * kv, h // kv * L, Dk)  # row r * L + l: query head kv_i * rep + r
-    scores = torch.bmm(rows, keys.reshape(B * kv, S, Dk).transpose(1, 2)) * scale
-    scores = scores.view(B, kv, h // kv, L, S).masked_fill(~mask[:, :, None], float("-inf"))
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    out = torch.bmm(p.view(B * kv, h // kv * L, S), values.reshape(B * kv, S, -1))
-    return out.view(B, h, L, -1)
+    outs = []
+    for i in range(0, L, chunk):
+        n = min(chunk, L - i)
+        rows = q[:, :, i:i + n].reshape(B * kv, h // kv * n, Dk)  # row r * n + l: head kv_i * rep + r
+        scores = torch.bmm(rows.float() * scale, keys_t).view(B, kv, h // kv, n, S)
+        scores = scores.masked_fill(~mask[:, :, None, i:i + n], float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(values.dtype)
+        outs.append(torch.bmm(p.view(B * kv, h // kv * n, S), values).view(B, h, n, -1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -467,8 +471,10 @@ class MoECausalLM(nn.Module):
             last_index: int64 [B], which of the L positions gives each sequence's logits.
             cache: an `engine.kv_cache.KVCache` with this rank's kv heads and room for
                 positions.max() + 1 positions.
-            kv_len: the cached positions attention reads, >= positions.max() + 1 (the mask
-                hides those past each token's position); None: positions.max() + 1.
+            kv_len: the cached positions attention reads, > positions.max() and <= the
+                cache's max_len (the mask hides those past each token's position; not checked
+                against the positions, which stay on the device); None: positions.max() + 1,
+                checked against max_len (ValueError).
             prefill: every row's positions are 0..L-1 and nothing is cached before them (a
                 fresh prefill, as scheduler.run_requests makes it): without a sliding window
                 the mask is then the causal one, which SDPA applies without materializing it.

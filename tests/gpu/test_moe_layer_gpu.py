@@ -345,39 +345,43 @@ def test_engine_forward_waits_for_the_device_twice_not_per_layer(tmp_path, arch)
 @torch.inference_mode()
 @pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
 def test_engine_decode_graph_replays_the_eager_steps(tmp_path, arch):
-    """engine.decode_graph on a bf16 model on CUDA: after the same prefill, five decode steps
-    fed the same tokens give the eager steps' logits (bf16 tolerance) from one graph captured
-    at the first step; run_requests replays graphs unless told not to."""
+    """engine.decode_graph on a bf16 model on CUDA: after the same prefill, ten decode steps
+    fed the same tokens give the eager steps' logits (bf16 tolerance), replayed from one graph
+    per kv-length bucket (positions 250..259 cross the 256 bucket: a second capture);
+    run_requests replays graphs unless told not to or for fewer than GRAPH_MIN_STEPS steps."""
     from moe_runtime.engine.decode_graph import DecodeGraph, graphs_apply
     from moe_runtime.engine.sampler import SamplingParams
-    from moe_runtime.engine.scheduler import run_requests
+    from moe_runtime.engine.scheduler import GRAPH_MIN_STEPS, run_requests
     from moe_runtime.models import load_model
     from moe_runtime.models.make_checkpoint import make_checkpoint
     d = make_checkpoint(str(tmp_path / arch), arch, "tiny")
     model = load_model(d, dtype="bfloat16", device=DEV, progress=False)
     assert graphs_apply(model)
     g = torch.Generator(device=DEV).manual_seed(3)
-    B, L, N = 3, 7, 5
+    B, L, N = 3, 250, 10
     ids = torch.randint(0, model.spec.vocab_size, (B, L), device=DEV, generator=g)
     pos = torch.arange(L, device=DEV).expand(B, L)
     caches = [model.new_cache(B, L + N, device=DEV) for _ in range(2)]
     for c in caches:
         model(ids, pos, torch.ones_like(ids, dtype=torch.bool), torch.full((B,), L - 1, device=DEV), c)
     graph = DecodeGraph(model, caches[1], B)
+    captured = []
     for step in range(N):
         tokens = torch.randint(0, model.spec.vocab_size, (B,), device=DEV, generator=g)
-        positions = torch.full((B,), L + step, device=DEV)
-        eager = model(tokens[:, None], positions[:, None], torch.ones(B, 1, dtype=torch.bool, device=DEV),
+        positions = torch.full((B,), L + step)
+        eager = model(tokens[:, None], positions[:, None].to(DEV), torch.ones(B, 1, dtype=torch.bool, device=DEV),
                       torch.zeros(B, dtype=torch.int64, device=DEV), caches[0])
-        replayed = graph(tokens, positions)
-        captured = graph.graph if step == 0 else captured
-        assert graph.graph is captured
+        replayed = graph(tokens.cpu(), positions)
+        if not captured or captured[-1][1] is not graph.graph:
+            captured.append((graph.kv_len, graph.graph))
         assert rel_err(replayed, eager) < 2e-2, (step, rel_err(replayed, eager))
+    assert [kv for kv, _ in captured] == [256, L + N]
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    for graphs in (True, False):
-        out = run_requests(model, prompts, range(2), SamplingParams(max_new_tokens=4), stop_ids=[],
+    for graphs, new in ((True, GRAPH_MIN_STEPS + 1), (False, GRAPH_MIN_STEPS + 1), (True, GRAPH_MIN_STEPS)):
+        out = run_requests(model, prompts, range(2), SamplingParams(max_new_tokens=new), stop_ids=[],
                            cuda_graphs=graphs)
-        assert out.extra["cuda_graphs"] is graphs and all(len(t) == 4 for t in out.token_ids)
+        assert out.extra["cuda_graphs"] is (graphs and new > GRAPH_MIN_STEPS)
+        assert all(len(t) == new for t in out.token_ids)
 
 
 def test_engine_decode_graph_capture_failure_names_the_way_out():
