@@ -167,9 +167,13 @@ def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) ->
     or None (causal over a fresh prefill, S = L) -> [B, heads, L, Dv]. Decode steps (at most
     DECODE_POSITIONS query positions) run `_grouped_attention`: on the H200 torch's SDPA
     (cuDNN) took 90 / 694 µs for one sequence at S = 4096 / 32768 (32 query, 4 kv heads of
-    128, bf16) against 27 / 87 µs for the two bmm, as it splits the work by query tiles (bench_out
-    diagnostic attn_decode.py; at 4 positions of 16 sequences SDPA was faster, 108 / 159 µs).
-    Prefill runs SDPA over the kv heads repeated per query head."""
+    128, bf16) against 27 / 87 µs for the two bmm with bf16 scores, as it splits the work by
+    query tiles (bench_out diagnostic attn_decode.py; at 4 positions of 16 sequences SDPA was
+    faster, 108 / 159 µs). Keeping the scores in fp32 (the keys cast per call) raised the
+    graphed decode step of benchmarks/engine_step.py's Qwen3 model from 1.62 to 1.75 ms for
+    one sequence at S = 4096 and from 5.06 to 9.69 ms for 16 at S = 16384, where cuDNN SDPA
+    on the folded rows (356 µs per layer against 246 with bf16 scores) may now be faster:
+    not measured yet. Prefill runs SDPA over the kv heads repeated per query head."""
     keys, values = cache.write(module.layer_idx, positions, k, v, _kv_len(mask, q.shape[2]))
     rep = q.shape[1] // keys.shape[1]
     if q.shape[2] <= DECODE_POSITIONS:
