@@ -25,6 +25,7 @@ NEW_TOKENS = 10
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {"qwen3-moe": make_checkpoint(str(root / "qwen3"), "qwen3-moe", "tiny"),
+            "qwen2-moe": make_checkpoint(str(root / "qwen2"), "qwen2-moe", "tiny"),
             "mixtral": make_checkpoint(str(root / "mixtral"), "mixtral", "tiny", max_shard_size="100KB"),
             "glm4-moe": make_checkpoint(str(root / "glm4"), "glm4-moe", "tiny"),
             "deepseek-v3": make_checkpoint(str(root / "dsv3"), "deepseek-v3", "tiny")}
@@ -51,7 +52,7 @@ def encode(model_dir, prompts):
     return [tok(p)["input_ids"] for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "glm4-moe", "deepseek-v3"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3"])
 def test_local_batch_greedy_equals_hf_generate(ckpts, arch):
     d = ckpts[arch]
     model = load_model(d, Parallel(), progress=False)
@@ -496,6 +497,28 @@ def test_one_rank_of_a_multi_rank_topology_runs_local_moe_quietly(ckpts, topolog
         model = load_model(ckpts["qwen3-moe"], Parallel(topology, 0, 1), progress=False)
     assert {l.mlp.topology.name for l in model.layers} == {"local"}
     assert "not initialized" not in caplog.text
+
+
+def test_qwen2_moe_spec_gated_shared_expert_and_refusals(ckpts):
+    """Qwen2-MoE: q/k/v biases without an o_proj bias, the shared expert and its sigmoid gate
+    loaded from `shared_expert` / `shared_expert_gate`, routing weights not renormalized
+    (HF's default); a 0-wide shared expert has no gate; per-layer sliding windows refused."""
+    from transformers import Qwen2MoeConfig
+
+    from moe_runtime.models import qwen2_moe
+    model = load_model(ckpts["qwen2-moe"], progress=False)
+    s = model.spec
+    assert (s.attention_bias, s.o_proj_bias, s.qk_norm, s.moe.norm_topk_prob) == (True, False, False, False)
+    layer = model.layers[0]
+    assert layer.self_attn.q_proj.bias is not None and layer.self_attn.o_proj.bias is None
+    from safetensors.torch import load_file
+    stored = load_file(os.path.join(ckpts["qwen2-moe"], "model.safetensors"))
+    torch.testing.assert_close(layer.mlp.shared_expert.gate.weight,
+                               stored["model.layers.0.mlp.shared_expert_gate.weight"])
+    no_shared = qwen2_moe.spec_from_config(Qwen2MoeConfig(shared_expert_intermediate_size=0), torch.float32)
+    assert (no_shared.moe.shared_expert_intermediate_size, no_shared.moe.shared_expert_gate) == (0, False)
+    with pytest.raises(ValueError, match="use_sliding_window is not supported"):
+        qwen2_moe.spec_from_config(Qwen2MoeConfig(use_sliding_window=True), torch.float32)
 
 
 def test_rank_progress_grows_inside_a_prefill(ckpts):

@@ -260,6 +260,8 @@ def _tensor_loaders(model: MoECausalLM, arch: Architecture, reader: CheckpointRe
             loaders[name] = plain(f"{prefix}.gate.weight", (E, H))
         elif suffix == "mlp.router.e_score_correction_bias":
             loaders[name] = plain(f"{prefix}.gate.e_score_correction_bias", (E,))
+        elif suffix == "mlp.shared_expert.gate.weight":  # (Qwen2-MoE's sigmoid gate)
+            loaders[name] = plain(f"{prefix}.shared_expert_gate.weight", (1, H))
         elif suffix.startswith("mlp.shared_expert.") and arch.shared_expert_name:
             proj = suffix.split(".")[2]  # gate_proj / up_proj / down_proj
             loaders[name] = plain(f"{prefix}.{arch.shared_expert_name}.{proj}.weight",

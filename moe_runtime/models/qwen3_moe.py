@@ -8,17 +8,23 @@ from ..config import MoEConfig
 from .spec import Architecture, ModelSpec, common_spec_fields
 
 
-def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
-    """ModelSpec of a transformers Qwen3MoeConfig (experts: `num_experts`, k:
-    `num_experts_per_tok`, I: `moe_intermediate_size`)."""
+def dense_layers(cfg) -> tuple[int, ...]:
+    """The layers with a dense MLP in a Qwen2/Qwen3-MoE config: those in `mlp_only_layers`,
+    and all but every `decoder_sparse_step`-th (all of them without experts)."""
     E, L = cfg.num_experts, cfg.num_hidden_layers
     only = set(getattr(cfg, "mlp_only_layers", None) or ())
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    dense = tuple(i for i in range(L) if i in only or not (E > 0 and (i + 1) % step == 0))
+    return tuple(i for i in range(L) if i in only or not (E > 0 and (i + 1) % step == 0))
+
+
+def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
+    """ModelSpec of a transformers Qwen3MoeConfig (experts: `num_experts`, k:
+    `num_experts_per_tok`, I: `moe_intermediate_size`)."""
+    E = cfg.num_experts
     moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
                     top_k=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
                     scoring="softmax", norm_topk_prob=bool(cfg.norm_topk_prob), dtype=dtype)
-    return ModelSpec(qk_norm=True, moe=moe, dense_layers=dense,
+    return ModelSpec(qk_norm=True, moe=moe, dense_layers=dense_layers(cfg),
                      dense_intermediate_size=cfg.intermediate_size, **common_spec_fields(cfg, dtype))
 
 

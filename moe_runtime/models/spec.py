@@ -1,8 +1,9 @@
 """ModelSpec: the architecture-independent description of a MoE decoder, read from config.json.
 
-An architecture module (`qwen3_moe.py`, `mixtral.py`, `glm4_moe.py`, `deepseek_v3.py`) turns an
-HF transformers config into a ModelSpec and names the checkpoint tensors; `transformer.py`
-builds the network from the spec and `loader.py` fills it from safetensors.
+An architecture module (`qwen3_moe.py`, `qwen2_moe.py`, `mixtral.py`, `glm4_moe.py`,
+`deepseek_v3.py`) turns an HF transformers config into a ModelSpec and names the checkpoint
+tensors; `transformer.py` builds the network from the spec and `loader.py` fills it from
+safetensors.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class ModelSpec:
     """Shapes and rules of one MoE decoder-only model.
 
     Attributes:
-        model_type: HF `model_type` ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3").
+        model_type: HF `model_type` ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
+            "deepseek_v3").
         vocab_size, hidden_size (H), num_layers: as in config.json.
         num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4-MoE's `use_qk_norm`).
