@@ -26,6 +26,7 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {"qwen3-moe": make_checkpoint(str(root / "qwen3"), "qwen3-moe", "tiny"),
             "qwen2-moe": make_checkpoint(str(root / "qwen2"), "qwen2-moe", "tiny"),
+            "olmoe": make_checkpoint(str(root / "olmoe"), "olmoe", "tiny"),
             "mixtral": make_checkpoint(str(root / "mixtral"), "mixtral", "tiny", max_shard_size="100KB"),
             "glm4-moe": make_checkpoint(str(root / "glm4"), "glm4-moe", "tiny"),
             "deepseek-v3": make_checkpoint(str(root / "dsv3"), "deepseek-v3", "tiny")}
@@ -52,7 +53,7 @@ def encode(model_dir, prompts):
     return [tok(p)["input_ids"] for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "olmoe", "mixtral", "glm4-moe", "deepseek-v3"])
 def test_local_batch_greedy_equals_hf_generate(ckpts, arch):
     d = ckpts[arch]
     model = load_model(d, Parallel(), progress=False)
@@ -519,6 +520,31 @@ def test_qwen2_moe_spec_gated_shared_expert_and_refusals(ckpts):
     assert (no_shared.moe.shared_expert_intermediate_size, no_shared.moe.shared_expert_gate) == (0, False)
     with pytest.raises(ValueError, match="use_sliding_window is not supported"):
         qwen2_moe.spec_from_config(Qwen2MoeConfig(use_sliding_window=True), torch.float32)
+
+
+def test_olmoe_norms_span_all_heads_clip_qkv_and_tp_is_refused(ckpts):
+    """OLMoE: q/k RMSNorm weights over the whole projection ([heads * D], [kv_heads * D]),
+    clip_qkv 2.0 active in the tiny checkpoint (its logits differ without it: the greedy test
+    checks them against HF), and tp refused up front (the norm would span ranks)."""
+    from dataclasses import replace
+
+    from moe_runtime.engine.driver import check_world_size
+    model = load_model(ckpts["olmoe"], progress=False)
+    s, attn = model.spec, model.layers[0].self_attn
+    assert (s.qk_norm, s.qk_norm_whole, s.clip_qkv) == (True, True, 2.0)
+    assert attn.q_norm.weight.shape == (s.num_heads * s.head_dim,)
+    assert attn.k_norm.weight.shape == (s.num_kv_heads * s.head_dim,)
+    ids = torch.tensor([[5, 9, 13, 2]])
+    args = (torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool), torch.tensor([3]))
+    clipped = model(ids, *args, model.new_cache(1, 4))
+    attn_modules = [layer.self_attn for layer in model.layers]
+    for a in attn_modules:
+        a.clip_qkv = None
+    assert not torch.allclose(model(ids, *args, model.new_cache(1, 4)), clipped)
+    check_world_size(s, 2)  # dp: fine
+    with pytest.raises(ValueError, match="q/k RMSNorm spans all heads"):
+        check_world_size(s, 2, tensor_parallel=True)
+    check_world_size(replace(s, qk_norm_whole=False), 2, tensor_parallel=True)
 
 
 def test_rank_progress_grows_inside_a_prefill(ckpts):

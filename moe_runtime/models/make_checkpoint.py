@@ -8,7 +8,8 @@ transformers' PreTrainedTokenizerFast so `AutoTokenizer.from_pretrained(out_dir)
 The directory and its files get the modes a plain mkdir / open would give (0777 / 0666 less the
 process umask, typically 0755 / 0644), so Ray workers on other nodes can read a shared copy.
 
-Architectures: qwen3-moe, qwen2-moe (a gated shared expert), mixtral, glm4-moe (GLM-4.5's
+Architectures: qwen3-moe, qwen2-moe (a gated shared expert), olmoe (q/k norms over all heads),
+mixtral, glm4-moe (GLM-4.5's
 structure), deepseek-v3 (DeepSeek-V3's: MLA); the routers' correction biases of the last two
 get random values, as a trained checkpoint's are nonzero.
 
@@ -30,8 +31,8 @@ import shutil
 import tempfile
 from typing import Optional, Union
 
-ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "qwen2-moe": "qwen2_moe", "mixtral": "mixtral",
-              "glm4-moe": "glm4_moe", "deepseek-v3": "deepseek_v3"}
+ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "qwen2-moe": "qwen2_moe", "olmoe": "olmoe",
+              "mixtral": "mixtral", "glm4-moe": "glm4_moe", "deepseek-v3": "deepseek_v3"}
 PRESETS = ("tiny", "small", "qwen3-30b-a3b")
 EOS_TOKEN = "<|endoftext|>"
 
@@ -137,6 +138,17 @@ def _qwen2_kwargs(preset: str) -> dict:
                 norm_topk_prob=False, max_position_embeddings=2048)
 
 
+def _olmoe_kwargs(preset: str) -> dict:
+    """OLMoE's structure at small sizes: q/k RMSNorms over all heads, q/k/v clipping."""
+    if preset == "tiny":
+        return dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, num_experts=8,
+                    num_experts_per_tok=2, clip_qkv=2.0, max_position_embeddings=512)
+    return dict(hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=16, num_key_value_heads=4, num_experts=32,
+                num_experts_per_tok=4, clip_qkv=8.0, max_position_embeddings=2048)
+
+
 def _mixtral_kwargs(preset: str) -> dict:
     if preset == "tiny":
         return dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -183,8 +195,8 @@ def _deepseek_v3_kwargs(preset: str) -> dict:
                 topk_group=2, max_position_embeddings=2048, **common)
 
 
-_KWARGS = {"qwen3-moe": _qwen3_kwargs, "qwen2-moe": _qwen2_kwargs, "mixtral": _mixtral_kwargs,
-           "glm4-moe": _glm4_moe_kwargs, "deepseek-v3": _deepseek_v3_kwargs}
+_KWARGS = {"qwen3-moe": _qwen3_kwargs, "qwen2-moe": _qwen2_kwargs, "olmoe": _olmoe_kwargs,
+           "mixtral": _mixtral_kwargs, "glm4-moe": _glm4_moe_kwargs, "deepseek-v3": _deepseek_v3_kwargs}
 
 
 def train_tokenizer(vocab_size: int = 512):
@@ -221,7 +233,7 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
 
     Args:
-        arch: "qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe" or "deepseek-v3".
+        arch: "qwen3-moe", "qwen2-moe", "olmoe", "mixtral", "glm4-moe" or "deepseek-v3".
         preset: "tiny", "small" or "qwen3-30b-a3b" (Qwen3-MoE only).
         seed: torch seed of the random weights.
         dtype: "float32" (default for tiny/small) or "bfloat16" (default for qwen3-30b-a3b).

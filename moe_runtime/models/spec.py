@@ -1,6 +1,6 @@
 """ModelSpec: the architecture-independent description of a MoE decoder, read from config.json.
 
-An architecture module (`qwen3_moe.py`, `qwen2_moe.py`, `mixtral.py`, `glm4_moe.py`,
+An architecture module (`qwen3_moe.py`, `qwen2_moe.py`, `olmoe.py`, `mixtral.py`, `glm4_moe.py`,
 `deepseek_v3.py`) turns an HF transformers config into a ModelSpec and names the checkpoint
 tensors; `transformer.py` builds the network from the spec and `loader.py` fills it from
 safetensors.
@@ -42,11 +42,14 @@ class ModelSpec:
     """Shapes and rules of one MoE decoder-only model.
 
     Attributes:
-        model_type: HF `model_type` ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
+        model_type: HF `model_type` ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe",
             "deepseek_v3").
         vocab_size, hidden_size (H), num_layers: as in config.json.
         num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4-MoE's `use_qk_norm`).
+        qk_norm: RMSNorm on q and k before RoPE (Qwen3, GLM-4-MoE's `use_qk_norm`: per head).
+        qk_norm_whole: with qk_norm, the RMSNorm spans the whole q / k projection (all heads
+            at once: OLMoE), so tp, which splits the heads, is refused (head_shard).
+        clip_qkv: clamp q, k and v to [-clip_qkv, clip_qkv] after the norms (OLMoE), or None.
         attention_bias: q/k/v projections carry a bias.
         o_proj_bias: o_proj carries a bias (Llama-style configs: as attention_bias; GLM-4-MoE:
             never).
@@ -83,6 +86,8 @@ class ModelSpec:
     max_position_embeddings: int
     moe: MoEConfig
     o_proj_bias: bool = False
+    qk_norm_whole: bool = False
+    clip_qkv: Optional[float] = None
     rotary_dim: int = 0
     mla: Optional[MLA] = None
     dense_layers: tuple[int, ...] = ()

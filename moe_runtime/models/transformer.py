@@ -89,12 +89,16 @@ def head_shard(spec: ModelSpec, parallel: Parallel) -> HeadShard:
     across W / num_kv_heads ranks, as vLLM does).
 
     Raises:
-        ValueError: num_heads % W != 0, or neither kv rule applies.
+        ValueError: num_heads % W != 0, neither kv rule applies, or a q/k norm over all heads
+            (spec.qk_norm_whole).
     """
     Hq, Hkv = spec.num_heads, spec.num_kv_heads
     if not parallel.tensor_parallel:
         return HeadShard(0, Hq, 0, Hkv)
     W, r = parallel.world_size, parallel.rank
+    if spec.qk_norm and spec.qk_norm_whole:
+        raise ValueError(f"tp: {spec.model_type}'s q/k RMSNorm spans all heads, which tp would "
+                         "split across ranks; run it with dp_nvlink, dp_p2p or one rank")
     if Hq % W:
         raise ValueError(f"tp: num_attention_heads ({Hq}) must be divisible by the world size ({W})")
     q_heads = Hq // W
@@ -243,12 +247,14 @@ class DenseMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over this rank's head shard, with optional per-head QK RMSNorm.
+    """GQA self-attention over this rank's head shard, with optional QK RMSNorm (per head,
+    or over the whole projection) and q/k/v clipping.
 
     Parameters (HF names and layouts, rows/cols of this rank's heads only):
         q_proj.weight [q_heads*D, H], k_proj/v_proj.weight [kv_heads*D, H],
         o_proj.weight [H, q_heads*D] (row-parallel; its bias, when spec.o_proj_bias, is added
-        once, after the all-reduce), q_norm/k_norm.weight [D] when spec.qk_norm.
+        once, after the all-reduce), q_norm/k_norm.weight [D] when spec.qk_norm
+        ([q_heads*D] / [kv_heads*D] with spec.qk_norm_whole).
     """
 
     def __init__(self, spec: ModelSpec, layer_idx: int, shard: HeadShard, parallel: Parallel):
@@ -259,8 +265,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, shard.kv_heads * D, bias=b, dtype=dt)
         self.v_proj = nn.Linear(H, shard.kv_heads * D, bias=b, dtype=dt)
         self.o_proj = nn.Linear(shard.q_heads * D, H, bias=spec.o_proj_bias, dtype=dt)
-        self.q_norm = RMSNorm(D, spec.rms_norm_eps, dt) if spec.qk_norm else None
-        self.k_norm = RMSNorm(D, spec.rms_norm_eps, dt) if spec.qk_norm else None
+        whole = spec.qk_norm_whole
+        self.q_norm = RMSNorm(shard.q_heads * D if whole else D, spec.rms_norm_eps, dt) if spec.qk_norm else None
+        self.k_norm = RMSNorm(shard.kv_heads * D if whole else D, spec.rms_norm_eps, dt) if spec.qk_norm else None
+        self.qk_norm_whole, self.clip_qkv = whole, spec.clip_qkv
         self.scaling = D ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -270,10 +278,14 @@ class Attention(nn.Module):
         are written."""
         B, L, _ = x.shape
         D = self.head_dim
-        q = self.q_proj(x).view(B, L, -1, D)
-        k = self.k_proj(x).view(B, L, -1, D)
-        v = self.v_proj(x).view(B, L, -1, D).transpose(1, 2)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q, k = q.view(B, L, -1, D), k.view(B, L, -1, D)
+        v = v.view(B, L, -1, D).transpose(1, 2)
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
