@@ -78,10 +78,16 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, u
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
     out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
     bounds = offsets.tolist()
+    compiling = torch.compiler.is_compiling()
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
-            out[lo:hi] = F.linear(x[lo:hi], w[e])
+        if compiling:  # unbacked sizes: no branch on them (fullgraph / export), bounds stated
+            torch._check(0 <= lo)
+            torch._check(lo <= hi)
+            torch._check(hi <= x.shape[0])
+        elif hi == lo:
+            continue
+        out[lo:hi] = F.linear(x[lo:hi], w[e])
     return out
 
 
@@ -100,8 +106,8 @@ class Experts(CheckedModule):
             Weights in a layout torch._grouped_mm rejects (strided views), and fp16 / fp32
             under torch.compile (its _grouped_mm lowering takes bf16 only), take the loop
             whatever it says; the GEMV and quack paths need contiguous weights. The loop reads
-            the expert offsets on the host: torch.compile breaks the graph there, so
-            fullgraph=True and torch.export need bf16.
+            the expert offsets on the host (compiled, they become unbacked sizes: fullgraph=True
+            and torch.export trace it, with a host sync on CUDA).
         backend: kernel backend of the decode GEMV and the quack grouped GEMM ("auto": CuTeDSL
             on CUDA when importable; "reference": never, torch._grouped_mm instead).
     """

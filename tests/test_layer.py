@@ -308,19 +308,20 @@ def test_torch_compile_fp32_on_cpu():
     torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_fullgraph_bf16_on_cpu(dynamic):
-    """A bf16 layer compiles into one graph (no break: the path choice traces, e.g. the weight
-    layout check) and matches eager within bf16 rounding."""
+def test_torch_compile_fullgraph_on_cpu(dynamic, dtype):
+    """A layer compiles into one graph (no break: the path choice traces, e.g. the weight
+    layout check; fp16 / fp32 take the per-expert loop, whose host-read bounds are unbacked
+    sizes with no branch on them: it broke fullgraph before) and matches eager."""
     torch._dynamo.reset()
     torch.manual_seed(3)
-    cfg = MoEConfig(hidden_size=32, num_experts=8, top_k=2, moe_intermediate_size=16,
-                    dtype=torch.bfloat16)
+    cfg = MoEConfig(hidden_size=32, num_experts=8, top_k=2, moe_intermediate_size=16, dtype=dtype)
     layer = MoELayer(cfg, backend="reference")
     compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
     with torch.no_grad():
         for T in (10, 7, 0):  # (T = 0: no data-dependent read of the empty counts)
-            x = torch.randn(T, 32, dtype=torch.bfloat16)
+            x = torch.randn(T, 32, dtype=dtype)
             torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
 
 
@@ -337,14 +338,16 @@ def test_torch_compile_dynamic_token_counts_compile_once():
     assert cnt.frame_count == 1
 
 
-def test_torch_export_bf16_with_a_dynamic_token_count():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_export_with_a_dynamic_token_count(dtype):
     """The reference dispatch sizes everything from shapes (no host read of the routing), so a
-    bf16 layer exports (non-strict) with a dynamic sequence length and matches eager."""
+    layer exports (non-strict) with a dynamic sequence length and matches eager (fp16 / fp32:
+    the per-expert loop's bounds are unbacked sizes, which failed export before)."""
     from torch.export import Dim
-    layer = _shared_layer(torch.bfloat16).eval()
-    ep = torch.export.export(layer, (torch.randn(2, 5, 16, dtype=torch.bfloat16),),
+    layer = _shared_layer(dtype).eval()
+    ep = torch.export.export(layer, (torch.randn(2, 5, 16, dtype=dtype),),
                              dynamic_shapes={"hidden_states": {1: Dim("S", max=1024)}})
-    x = torch.randn(2, 9, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 9, 16, dtype=dtype)
     with torch.no_grad():
         assert torch.equal(ep.module()(x), layer(x))
 
