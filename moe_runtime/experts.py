@@ -219,7 +219,10 @@ class Experts(CheckedModule):
             act = swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj,
                                       expected_rows=expected_rows)
             return grouped_gemm(act, expert_offsets, self.down_proj, expected_rows=expected_rows)
-        grouped = self._grouped(expert_x.device, expert_x.dtype)
+        # (compiled with no rows, the loop: inductor's backward of torch._grouped_mm builds an
+        # empty operand with stride 0, which _grouped_mm rejects)
+        grouped = self._grouped(expert_x.device, expert_x.dtype) and not (
+            torch.compiler.is_compiling() and expert_x.shape[0] == 0)
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)

@@ -737,3 +737,27 @@ def test_router_refuses_bad_inputs_by_name():
                                    moe_intermediate_size=8, dtype=torch.float32,
                                    router_logits_fp32=True), backend="reference")
     assert fp32_logits(torch.randn(3, 16, dtype=torch.bfloat16))[0].shape == (3, 2)
+
+
+def test_inductor_training_step_at_zero_tokens():
+    """torch.compile (inductor) of a bf16 layer in training: the gradients of a batch and of an
+    empty one (T = 0: inductor's backward of torch._grouped_mm made an empty operand with stride
+    0, which _grouped_mm rejected; the experts take the loop there) equal eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    cfg = MoEConfig(hidden_size=32, num_experts=8, top_k=2, moe_intermediate_size=16,
+                    dtype=torch.bfloat16)
+    layer = MoELayer(cfg, backend="reference")
+    compiled = torch.compile(layer)
+    for T in (6, 0):
+        x = torch.randn(T, 32, dtype=torch.bfloat16)
+        grads = []
+        for fn in (compiled, layer):
+            layer.zero_grad(set_to_none=False)
+            xi = x.clone().requires_grad_(True)
+            (fn(xi).float() ** 2).sum().backward()
+            grads.append([xi.grad, layer.experts.gate_up_proj.grad.clone(), layer.router.weight.grad.clone()])
+        for got, want in zip(*grads):  # (bf16: inductor fuses and rounds differently)
+            assert got.shape == want.shape  # (T = 0: the weights' gradients are zero)
+            if want.numel():
+                assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())
