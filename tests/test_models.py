@@ -500,6 +500,26 @@ def test_one_rank_of_a_multi_rank_topology_runs_local_moe_quietly(ckpts, topolog
     assert "not initialized" not in caplog.text
 
 
+def test_qwen2_moe_without_shared_expert_loads_quietly(tmp_path, recwarn):
+    """HF saves the [1, H] gate of a 0-wide shared expert (its output is 0): not reported as
+    an unused tensor; greedy ids still equal HF's."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from moe_runtime.models.make_checkpoint import _qwen2_kwargs, train_tokenizer
+    tok = train_tokenizer()
+    cfg = Qwen2MoeConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                         **{**_qwen2_kwargs("tiny"), "shared_expert_intermediate_size": 0})
+    torch.manual_seed(0)
+    d = str(tmp_path / "q2")
+    Qwen2MoeForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    model = load_model(d, progress=False)
+    assert not [w for w in recwarn if "not used" in str(w.message)]
+    out = run_requests(model, encode(d, PROMPTS[:2]), range(2), SamplingParams(max_new_tokens=5),
+                       stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS[:2], 5)
+
+
 def test_qwen2_moe_spec_gated_shared_expert_and_refusals(ckpts):
     """Qwen2-MoE: q/k/v biases without an o_proj bias, the shared expert and its sigmoid gate
     loaded from `shared_expert` / `shared_expert_gate`, routing weights not renormalized
@@ -518,8 +538,12 @@ def test_qwen2_moe_spec_gated_shared_expert_and_refusals(ckpts):
                                stored["model.layers.0.mlp.shared_expert_gate.weight"])
     no_shared = qwen2_moe.spec_from_config(Qwen2MoeConfig(shared_expert_intermediate_size=0), torch.float32)
     assert (no_shared.moe.shared_expert_intermediate_size, no_shared.moe.shared_expert_gate) == (0, False)
-    with pytest.raises(ValueError, match="use_sliding_window is not supported"):
+    dense = qwen2_moe.spec_from_config(Qwen2MoeConfig(num_experts=0, num_hidden_layers=2), torch.float32)
+    assert dense.dense_layers == (0, 1)  # (HF runs it all dense; top_k 4 > 1 expert was refused)
+    with pytest.raises(ValueError, match=r"sliding-window layers \(use_sliding_window\) is not supported"):
         qwen2_moe.spec_from_config(Qwen2MoeConfig(use_sliding_window=True), torch.float32)
+    qwen2_moe.spec_from_config(Qwen2MoeConfig(use_sliding_window=True, max_window_layers=0),
+                               torch.float32)  # (no layer is windowed)
 
 
 def test_olmoe_norms_span_all_heads_clip_qkv_and_tp_is_refused(ckpts):

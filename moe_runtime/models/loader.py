@@ -372,8 +372,9 @@ def _untie_if_lm_head_differs(spec: ModelSpec, reader: CheckpointReader) -> Mode
 
 def _warn_unused(reader: CheckpointReader, spec: ModelSpec, arch: Architecture) -> None:
     """Warn (rank 0) about checkpoint tensors no rank reads: keys that are neither read here nor
-    another rank's experts (per-expert keys of an existing layer and expert) nor empty, e.g. the
-    layers of a checkpoint with more layers than config.json's num_hidden_layers (GLM-4-MoE's
+    another rank's experts (per-expert keys of an existing layer and expert) nor empty nor the
+    gate of a 0-wide shared expert (Qwen2-MoE: HF saves it; its output is 0), e.g. the layers of
+    a checkpoint with more layers than config.json's num_hidden_layers (GLM-4-MoE's
     multi-token-prediction layers)."""
     pattern = re.compile(r"model\.layers\.(\d+)\.(?:%s)\.experts\.(\d+)\."
                          % "|".join(map(re.escape, arch.moe_block_names)))
@@ -382,8 +383,10 @@ def _warn_unused(reader: CheckpointReader, spec: ModelSpec, arch: Architecture) 
         m = pattern.match(key)
         return m is not None and int(m[1]) < spec.num_layers and int(m[2]) < spec.moe.num_experts
 
+    no_shared = spec.moe.shared_expert_intermediate_size == 0
     unused = sorted(k for k in reader.weight_map if k not in reader.read_keys and not other_ranks(k)
-                    and 0 not in reader.shape(k))  # (empty: e.g. HF's 0-wide shared expert)
+                    and 0 not in reader.shape(k)  # (empty: e.g. HF's 0-wide shared expert)
+                    and not (no_shared and k.endswith(".shared_expert_gate.weight")))
     if unused:
         more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
         warnings.warn(f"{reader.model_dir}: {len(unused)} checkpoint tensor(s) are not used by "

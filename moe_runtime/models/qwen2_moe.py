@@ -3,7 +3,7 @@ softmax top-k routing (renormalized only with `norm_topk_prob`, off by default),
 expert of width `shared_expert_intermediate_size` scaled by sigmoid(shared_expert_gate(x)),
 optional dense layers (`mlp_only_layers` / `decoder_sparse_step`, as Qwen3-MoE).
 
-transformers 5.x `models/qwen2_moe`. Configs with `use_sliding_window` are refused: HF applies
+transformers 5.x `models/qwen2_moe`. Configs with sliding-window layers are refused: HF applies
 the window to some layers only (`layer_types`), the engine to all or none.
 """
 from __future__ import annotations
@@ -20,14 +20,17 @@ def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     `num_experts_per_tok`, I `moe_intermediate_size`, q/k/v biases `qkv_bias`).
 
     Raises:
-        ValueError: `use_sliding_window` (per-layer windows), or common_spec_fields' errors.
+        ValueError: sliding-window layers (`layer_types`), or common_spec_fields' errors.
     """
-    if getattr(cfg, "use_sliding_window", False):
-        raise ValueError("Qwen2-MoE with use_sliding_window is not supported: transformers "
-                         "windows only some layers (layer_types), the engine all or none")
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        raise ValueError("Qwen2-MoE with sliding-window layers (use_sliding_window) is not "
+                         "supported: transformers windows only some layers (layer_types), the "
+                         "engine all or none")
     shared = int(cfg.shared_expert_intermediate_size or 0)
-    moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(cfg.num_experts, 1),
-                    top_k=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+    E = cfg.num_experts  # (0: every layer dense; the MoE config is then unused)
+    moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
+                    top_k=cfg.num_experts_per_tok if E > 0 else 1,
+                    moe_intermediate_size=cfg.moe_intermediate_size,
                     scoring="softmax", norm_topk_prob=bool(cfg.norm_topk_prob),
                     shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
                     dtype=dtype)

@@ -20,9 +20,10 @@ def dense_layers(cfg) -> tuple[int, ...]:
 def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     """ModelSpec of a transformers Qwen3MoeConfig (experts: `num_experts`, k:
     `num_experts_per_tok`, I: `moe_intermediate_size`)."""
-    E = cfg.num_experts
+    E = cfg.num_experts  # (0: every layer dense; the MoE config is then unused)
     moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
-                    top_k=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+                    top_k=cfg.num_experts_per_tok if E > 0 else 1,
+                    moe_intermediate_size=cfg.moe_intermediate_size,
                     scoring="softmax", norm_topk_prob=bool(cfg.norm_topk_prob), dtype=dtype)
     return ModelSpec(qk_norm=True, moe=moe, dense_layers=dense_layers(cfg),
                      dense_intermediate_size=cfg.intermediate_size, **common_spec_fields(cfg, dtype))
