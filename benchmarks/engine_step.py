@@ -142,7 +142,8 @@ def run_model(name: str, bw: float) -> list[dict]:
 
 
 def fmt(r: dict) -> str:
-    head = f"{r['model']:14s} {r['kind']:8s} B={r['B']:<3d} {'L' if r['kind'] == 'prefill' else 'S'}={r.get('L', r.get('S')):<6d}"
+    length = f"L={r['L']:<6d}" if r["kind"] == "prefill" else f"S={r['S']:<6d}"
+    head = f"{r['model']:14s} {r['kind']:8s} B={r['B']:<3d} {length}"
     if "error" in r:
         return f"{head} {r['error'][:60]}"
     if r["kind"] == "prefill":

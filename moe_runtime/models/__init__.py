@@ -3,9 +3,9 @@
     spec, arch = read_spec(model_dir, dtype)          # config.json via transformers AutoConfig
     model = load_model(model_dir, parallel, ...)      # this rank's share of the safetensors
 
-Registered families: Qwen3-MoE (`qwen3_moe`), Qwen2-MoE (`qwen2_moe`: Qwen1.5-MoE, Qwen2-57B-A14B),
-OLMoE (`olmoe`), Mixtral (`mixtral`), GLM-4-MoE (`glm4_moe`: GLM-4.5 / 4.6 / 4.7) and DeepSeek-V3 (`deepseek_v3`:
-DeepSeek-V3 / R1).
+Registered families: Qwen3-MoE (`qwen3_moe`), Qwen2-MoE (`qwen2_moe`: Qwen1.5-MoE,
+Qwen2-57B-A14B), OLMoE (`olmoe`), Mixtral (`mixtral`), GLM-4-MoE (`glm4_moe`: GLM-4.5 / 4.6 /
+4.7) and DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3 / R1).
 """
 from __future__ import annotations
 
