@@ -158,14 +158,15 @@ def test_mixtral_tp_equals_hf_generate(ray_session, tmp_path):
 
 @pytest.mark.parametrize("arch,topology", [
     ("glm4-moe", "tp"), ("glm4-moe", "dp_nvlink"), ("deepseek-v3", "tp"),
-    ("deepseek-v3", "dp_nvlink"), ("qwen2-moe", "tp"), ("olmoe", "dp_nvlink")])
+    ("deepseek-v3", "dp_nvlink"), ("qwen2-moe", "tp"), ("olmoe", "dp_nvlink"), ("dots1", "tp")])
 def test_glm4_moe_deepseek_v3_qwen2_moe_equal_hf_generate(ray_session, tmp_path, arch, topology):
     """GLM-4.5's structure (half-rotary heads, q/k/v biases) and DeepSeek-V3's (MLA: query and
     key/value latents, interleaved RoPE, values narrower than keys), both with a dense first
     layer, sigmoid group routing with a random correction bias and a shared expert, on 2 ranks:
     tp splits the heads (and their biases / latent up-projections), dp_nvlink the experts;
     Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert, no renormalization) under tp;
-    OLMoE (q/k norms over all heads, q/k/v clipping) under dp_nvlink."""
+    OLMoE (q/k norms over all heads, q/k/v clipping) under dp_nvlink; dots.llm1 (QK norms,
+    DeepSeek-V3 routing, two shared experts) under tp."""
     d = make_checkpoint(str(tmp_path / arch), arch, "tiny")
     with Engine(d, world_size=2, topology=topology, progress=False) as eng:
         res = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=8))

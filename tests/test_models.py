@@ -27,6 +27,7 @@ def ckpts(tmp_path_factory):
     return {"qwen3-moe": make_checkpoint(str(root / "qwen3"), "qwen3-moe", "tiny"),
             "qwen2-moe": make_checkpoint(str(root / "qwen2"), "qwen2-moe", "tiny"),
             "olmoe": make_checkpoint(str(root / "olmoe"), "olmoe", "tiny"),
+            "dots1": make_checkpoint(str(root / "dots1"), "dots1", "tiny"),
             "mixtral": make_checkpoint(str(root / "mixtral"), "mixtral", "tiny", max_shard_size="100KB"),
             "glm4-moe": make_checkpoint(str(root / "glm4"), "glm4-moe", "tiny"),
             "deepseek-v3": make_checkpoint(str(root / "dsv3"), "deepseek-v3", "tiny")}
@@ -53,7 +54,8 @@ def encode(model_dir, prompts):
     return [tok(p)["input_ids"] for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "olmoe", "mixtral", "glm4-moe", "deepseek-v3"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "olmoe", "mixtral", "glm4-moe", "dots1",
+                                  "deepseek-v3"])
 def test_local_batch_greedy_equals_hf_generate(ckpts, arch):
     d = ckpts[arch]
     model = load_model(d, Parallel(), progress=False)
@@ -540,7 +542,7 @@ def test_qwen2_moe_spec_gated_shared_expert_and_refusals(ckpts):
     assert (no_shared.moe.shared_expert_intermediate_size, no_shared.moe.shared_expert_gate) == (0, False)
     dense = qwen2_moe.spec_from_config(Qwen2MoeConfig(num_experts=0, num_hidden_layers=2), torch.float32)
     assert dense.dense_layers == (0, 1)  # (HF runs it all dense; top_k 4 > 1 expert was refused)
-    with pytest.raises(ValueError, match=r"sliding-window layers \(use_sliding_window\) is not supported"):
+    with pytest.raises(ValueError, match="sliding-window attention on some layers only"):
         qwen2_moe.spec_from_config(Qwen2MoeConfig(use_sliding_window=True), torch.float32)
     qwen2_moe.spec_from_config(Qwen2MoeConfig(use_sliding_window=True, max_window_layers=0),
                                torch.float32)  # (no layer is windowed)
@@ -569,6 +571,23 @@ def test_olmoe_norms_span_all_heads_clip_qkv_and_tp_is_refused(ckpts):
     with pytest.raises(ValueError, match="q/k RMSNorm spans all heads"):
         check_world_size(s, 2, tensor_parallel=True)
     check_world_size(replace(s, qk_norm_whole=False), 2, tensor_parallel=True)
+
+
+def test_layer_types_decide_the_sliding_window():
+    """dots.llm1's config says sliding_window 4096 with every layer "full_attention": HF
+    windows none, so neither does the engine (common_spec_fields alone took the 4096); all
+    layers windowed -> the window; some only -> refused."""
+    from transformers import Dots1Config
+
+    from moe_runtime.models import dots1
+    from moe_runtime.models.make_checkpoint import _dots1_kwargs
+    kw = {**_dots1_kwargs("tiny"), "num_hidden_layers": 4}
+    assert dots1.spec_from_config(Dots1Config(**kw), torch.float32).sliding_window is None
+    windowed = Dots1Config(**kw, layer_types=["sliding_attention"] * 4, sliding_window=64)
+    assert dots1.spec_from_config(windowed, torch.float32).sliding_window == 64
+    mixed = Dots1Config(**kw, layer_types=["sliding_attention", "full_attention"] * 2)
+    with pytest.raises(ValueError, match=r"some layers only \(2 of 4 in layer_types\)"):
+        dots1.spec_from_config(mixed, torch.float32)
 
 
 def test_rank_progress_grows_inside_a_prefill(ckpts):

@@ -10,8 +10,8 @@ process umask, typically 0755 / 0644), so Ray workers on other nodes can read a 
 
 Architectures: qwen3-moe, qwen2-moe (a gated shared expert), olmoe (q/k norms over all heads),
 mixtral, glm4-moe (GLM-4.5's
-structure), deepseek-v3 (DeepSeek-V3's: MLA); the routers' correction biases of the last two
-get random values, as a trained checkpoint's are nonzero.
+structure), dots1 (dots.llm1's), deepseek-v3 (DeepSeek-V3's: MLA); the routers' correction biases
+of the last three get random values, as a trained checkpoint's are nonzero.
 
 Presets:
     tiny            a few hundred KB; the CI numerics tests and `moe-runtime demo` use it.
@@ -32,7 +32,8 @@ import tempfile
 from typing import Optional, Union
 
 ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "qwen2-moe": "qwen2_moe", "olmoe": "olmoe",
-              "mixtral": "mixtral", "glm4-moe": "glm4_moe", "deepseek-v3": "deepseek_v3"}
+              "mixtral": "mixtral", "glm4-moe": "glm4_moe", "dots1": "dots1",
+              "deepseek-v3": "deepseek_v3"}
 PRESETS = ("tiny", "small", "qwen3-30b-a3b")
 EOS_TOKEN = "<|endoftext|>"
 
@@ -176,6 +177,22 @@ def _glm4_moe_kwargs(preset: str) -> dict:
                 max_position_embeddings=2048, **common)
 
 
+def _dots1_kwargs(preset: str) -> dict:
+    """dots.llm1's structure at small sizes: per-head QK norms, a dense first layer, sigmoid
+    routing over expert groups, two shared experts."""
+    common = dict(first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5,
+                  norm_topk_prob=True)
+    if preset == "tiny":
+        return dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                    max_position_embeddings=512, **common)
+    return dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=32,
+                n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2,
+                max_position_embeddings=2048, **common)
+
+
 def _deepseek_v3_kwargs(preset: str) -> dict:
     """DeepSeek-V3's structure at small sizes: MLA with a query latent and interleaved RoPE,
     values narrower than keys, a dense first layer, sigmoid routing over expert groups, one
@@ -196,7 +213,8 @@ def _deepseek_v3_kwargs(preset: str) -> dict:
 
 
 _KWARGS = {"qwen3-moe": _qwen3_kwargs, "qwen2-moe": _qwen2_kwargs, "olmoe": _olmoe_kwargs,
-           "mixtral": _mixtral_kwargs, "glm4-moe": _glm4_moe_kwargs, "deepseek-v3": _deepseek_v3_kwargs}
+           "mixtral": _mixtral_kwargs, "glm4-moe": _glm4_moe_kwargs, "dots1": _dots1_kwargs,
+           "deepseek-v3": _deepseek_v3_kwargs}
 
 
 def train_tokenizer(vocab_size: int = 512):
@@ -233,7 +251,8 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
 
     Args:
-        arch: "qwen3-moe", "qwen2-moe", "olmoe", "mixtral", "glm4-moe" or "deepseek-v3".
+        arch: "qwen3-moe", "qwen2-moe", "olmoe", "mixtral", "glm4-moe", "dots1" or
+            "deepseek-v3".
         preset: "tiny", "small" or "qwen3-30b-a3b" (Qwen3-MoE only).
         seed: torch seed of the random weights.
         dtype: "float32" (default for tiny/small) or "bfloat16" (default for qwen3-30b-a3b).

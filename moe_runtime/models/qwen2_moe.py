@@ -3,8 +3,8 @@ softmax top-k routing (renormalized only with `norm_topk_prob`, off by default),
 expert of width `shared_expert_intermediate_size` scaled by sigmoid(shared_expert_gate(x)),
 optional dense layers (`mlp_only_layers` / `decoder_sparse_step`, as Qwen3-MoE).
 
-transformers 5.x `models/qwen2_moe`. Configs with sliding-window layers are refused: HF applies
-the window to some layers only (`layer_types`), the engine to all or none.
+transformers 5.x `models/qwen2_moe`. Its windowed layers come from `layer_types`
+(spec.layer_types_window: all or none; `use_sliding_window` usually windows some, refused).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from ..config import MoEConfig
 from .qwen3_moe import dense_layers
-from .spec import Architecture, ModelSpec, common_spec_fields
+from .spec import Architecture, ModelSpec, common_spec_fields, layer_types_window
 
 
 def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
@@ -20,12 +20,9 @@ def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     `num_experts_per_tok`, I `moe_intermediate_size`, q/k/v biases `qkv_bias`).
 
     Raises:
-        ValueError: sliding-window layers (`layer_types`), or common_spec_fields' errors.
+        ValueError: sliding windows on some layers only, or common_spec_fields' errors.
     """
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        raise ValueError("Qwen2-MoE with sliding-window layers (use_sliding_window) is not "
-                         "supported: transformers windows only some layers (layer_types), the "
-                         "engine all or none")
+    window = layer_types_window(cfg)
     shared = int(cfg.shared_expert_intermediate_size or 0)
     E = cfg.num_experts  # (0: every layer dense; the MoE config is then unused)
     moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
@@ -38,7 +35,7 @@ def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     return ModelSpec(qk_norm=False, moe=moe, dense_layers=dense_layers(cfg),
                      dense_intermediate_size=cfg.intermediate_size,
                      **{**fields, "attention_bias": bool(cfg.qkv_bias), "o_proj_bias": False,
-                        "sliding_window": None})
+                        "sliding_window": window})
 
 
 ARCH = Architecture(model_type="qwen2_moe", hf_class_name="Qwen2MoeForCausalLM",

@@ -166,6 +166,25 @@ class Architecture:
     router_fp32: bool = False
 
 
+def layer_types_window(cfg) -> Optional[int]:
+    """The sliding window of a config that marks its windowed layers in `layer_types`
+    (Qwen2-MoE, dots.llm1): `sliding_window` when every layer is "sliding_attention", None when
+    none is.
+
+    Raises:
+        ValueError: only some layers are windowed (the engine windows all layers or none).
+    """
+    types = list(getattr(cfg, "layer_types", None) or ())
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return None
+    if all(sliding):
+        return int(cfg.sliding_window)
+    raise ValueError(f"{cfg.model_type}: sliding-window attention on some layers only "
+                     f"({sum(sliding)} of {len(types)} in layer_types) is not supported: the "
+                     "engine windows all layers or none")
+
+
 def common_spec_fields(cfg, dtype: torch.dtype) -> dict:
     """The ModelSpec fields every Llama-style HF config spells the same way.
 
