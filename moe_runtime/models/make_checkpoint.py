@@ -160,37 +160,33 @@ def _mixtral_kwargs(preset: str) -> dict:
                 num_experts_per_tok=4, max_position_embeddings=2048)
 
 
-def _glm4_moe_kwargs(preset: str) -> dict:
-    """GLM-4.5's structure at small sizes: q/k/v biases, half-rotary heads, a dense first layer,
-    sigmoid routing over groups of experts, one shared expert."""
-    common = dict(attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
-                  first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
-                  norm_topk_prob=True)
+def _grouped_routing_sizes(preset: str) -> dict:
+    """The sizes of the GLM-4.5 and dots.llm1 structures: GQA heads, a dense first layer's and
+    the experts' widths, expert groups."""
     if preset == "tiny":
         return dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                     num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                    max_position_embeddings=512, **common)
+                    max_position_embeddings=512)
     return dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                 num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=32,
                 n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2,
-                max_position_embeddings=2048, **common)
+                max_position_embeddings=2048)
+
+
+def _glm4_moe_kwargs(preset: str) -> dict:
+    """GLM-4.5's structure at small sizes: q/k/v biases, half-rotary heads, a dense first layer,
+    sigmoid routing over groups of experts, one shared expert."""
+    return dict(_grouped_routing_sizes(preset), attention_bias=True, use_qk_norm=False,
+                partial_rotary_factor=0.5, first_k_dense_replace=1, n_shared_experts=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
 def _dots1_kwargs(preset: str) -> dict:
     """dots.llm1's structure at small sizes: per-head QK norms, a dense first layer, sigmoid
     routing over expert groups, two shared experts."""
-    common = dict(first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5,
-                  norm_topk_prob=True)
-    if preset == "tiny":
-        return dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                    max_position_embeddings=512, **common)
-    return dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=32,
-                n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2,
-                max_position_embeddings=2048, **common)
+    return dict(_grouped_routing_sizes(preset), first_k_dense_replace=1, n_shared_experts=2,
+                routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
 def _deepseek_v3_kwargs(preset: str) -> dict:
