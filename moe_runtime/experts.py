@@ -138,13 +138,16 @@ class Experts(CheckedModule):
             self.gate_up_proj.normal_(std=self.gate_up_proj.shape[-1] ** -0.5)
             self.down_proj.normal_(std=self.intermediate_size ** -0.5)
 
-    def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether forward takes torch._grouped_mm (else the per-expert loop): never for weights
-        whose layout it rejects (`_weights_fit_grouped_mm`)."""
+    def _grouped(self, device: torch.device, dtype: torch.dtype, rows: int | None = None) -> bool:
+        """Whether forward on `rows` rows takes torch._grouped_mm (else the per-expert loop):
+        never for weights whose layout it rejects (`_weights_fit_grouped_mm`)."""
         if self.use_grouped_mm is False or not self._weights_fit_grouped_mm():
             return False
-        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
-            return False  # torch.compile's _grouped_mm lowering accepts bf16 only
+        if torch.compiler.is_compiling() and (dtype != torch.bfloat16 or rows == 0):
+            # torch.compile's _grouped_mm lowering accepts bf16 only; with no rows, inductor's
+            # backward of torch._grouped_mm builds an empty operand with stride 0, which
+            # _grouped_mm rejects
+            return False
         if self.use_grouped_mm:
             return True
         return self._rows_16b_aligned(dtype) and grouped_mm_supported(device.type, device.index, dtype)
@@ -220,10 +223,7 @@ class Experts(CheckedModule):
             act = swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj,
                                       expected_rows=expected_rows)
             return grouped_gemm(act, expert_offsets, self.down_proj, expected_rows=expected_rows)
-        # (compiled with no rows, the loop: inductor's backward of torch._grouped_mm builds an
-        # empty operand with stride 0, which _grouped_mm rejects)
-        grouped = self._grouped(expert_x.device, expert_x.dtype) and not (
-            torch.compiler.is_compiling() and expert_x.shape[0] == 0)
+        grouped = self._grouped(expert_x.device, expert_x.dtype, expert_x.shape[0])
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)

@@ -49,14 +49,13 @@ class KVCache:
         Raises:
             ValueError: a length past max_len.
         """
-        S = length
-        if S > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions, asked for {S}")
+        if length > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked for {length}")
         b = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
         kc = self.k[layer]
         kc[b, :, positions] = k.transpose(1, 2).to(kc.dtype)
         if self.v is None:
-            return kc[:, :, :S], kc[:, :, :S, :self.values_in_keys]
+            return kc[:, :, :length], kc[:, :, :length, :self.values_in_keys]
         vc = self.v[layer]
         vc[b, :, positions] = v.transpose(1, 2).to(vc.dtype)
-        return kc[:, :, :S], vc[:, :, :S]
+        return kc[:, :, :length], vc[:, :, :length]

@@ -1,7 +1,7 @@
 """ModelSpec: the architecture-independent description of a MoE decoder, read from config.json.
 
 An architecture module (`qwen3_moe.py`, `qwen2_moe.py`, `olmoe.py`, `mixtral.py`, `glm4_moe.py`,
-`deepseek_v3.py`) turns an HF transformers config into a ModelSpec and names the checkpoint
+`dots1.py`, `deepseek_v3.py`) turns an HF transformers config into a ModelSpec and names the checkpoint
 tensors; `transformer.py` builds the network from the spec and `loader.py` fills it from
 safetensors.
 """
@@ -43,7 +43,7 @@ class ModelSpec:
 
     Attributes:
         model_type: HF `model_type` ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe",
-            "deepseek_v3").
+            "dots1", "deepseek_v3").
         vocab_size, hidden_size (H), num_layers: as in config.json.
         num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
         qk_norm: RMSNorm on q and k before RoPE (Qwen3, GLM-4-MoE's `use_qk_norm`: per head).
