@@ -249,7 +249,9 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
                         ray_address=args.ray_address, device=args.device, dtype=args.dtype,
                         timeout_s=args.timeout, progress=not args.no_progress,
                         cuda_graphs=not args.eager)
-        print(f"loaded {model_dir} on {engine.world_size} {engine.device} rank(s)", flush=True)
+        warm = max(info.get("warm_up_s", 0.0) for info in engine.rank_info)
+        print(f"loaded {model_dir} on {engine.world_size} {engine.device} rank(s)"
+              + (f" (kernels compiled and warmed up in {warm:.1f}s)" if warm else ""), flush=True)
         print_result(engine.generate(prompts, params, max_batch_size=args.max_batch_size))
         return 0
     except KeyboardInterrupt:

@@ -606,6 +606,27 @@ def test_rank_progress_grows_inside_a_prefill(ckpts):
     assert w.steps == 3 and w.progress() == 3 + 3 * layers
 
 
+def test_warm_up_runs_a_long_prefill_and_a_decode_step_and_changes_nothing(ckpts):
+    """scheduler.warm_up (run at load on GPU ranks, so kernel compiles are not charged to the
+    first request): one prefill of WARM_UP_TOKENS (capped by max_position_embeddings), then
+    one decode step, through every MoE layer; the model's answers afterwards are HF's."""
+    from moe_runtime.engine.scheduler import WARM_UP_TOKENS, warm_up
+    from moe_runtime.layer import MoELayer
+    d = ckpts["qwen3-moe"]
+    model = load_model(d, Parallel(), progress=False)
+    moe = [l.mlp for l in model.layers if isinstance(l.mlp, MoELayer)]
+    seen = []
+    for m in moe:
+        m.register_forward_pre_hook(lambda mod, a: seen.append(a[0].reshape(-1, a[0].shape[-1]).shape[0]))
+    assert warm_up(model) > 0
+    want = min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2)
+    assert want < WARM_UP_TOKENS  # (the tiny checkpoint caps it)
+    assert seen == [want] * len(moe) + [1] * len(moe)
+    out = run_requests(model, encode(d, PROMPTS), range(len(PROMPTS)),
+                       SamplingParams(max_new_tokens=NEW_TOKENS), stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS, NEW_TOKENS)
+
+
 def test_non_silu_activation_and_unsplittable_heads_are_refused_up_front(ckpts):
     """A gelu config would run with SiLU MLPs silently; tp with heads the ranks cannot split
     fails in the driver, before Ray starts."""

@@ -75,6 +75,10 @@ def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.T
 
 
 GRAPH_MIN_STEPS = 4  # decode steps from which capturing (~2 eager steps' time) pays off
+# Tokens of the warm-up prompt (`warm_up`): long enough that every MoE layer takes its prefill
+# path (routing, dispatch and experts of many rows: cute_ops' mode rules, the experts' grouped
+# GEMM) in the prefill and its decode path in the decode step after it.
+WARM_UP_TOKENS = 2048
 
 
 def _decode_step(model, cache, batch: int, steps: int, cuda_graphs: bool):
@@ -174,3 +178,21 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     out.decode_s = time.perf_counter() - t0
     out.decode_tokens = sum(max(len(t) - 1, 0) for t in out.token_ids)
     return out
+
+
+def warm_up(model) -> float:
+    """Pay the costs of a model's first forward passes before the first request: compiling the
+    CuTeDSL and quack kernels of its MoE layers (a few tenths of a second each, once per
+    process), CUDA, cuBLAS and attention start-up. Runs one prefill of WARM_UP_TOKENS dummy
+    tokens (fewer where max_position_embeddings is smaller) and one eager decode step. Every
+    rank of a multi-rank model must call it together (the forwards exchange tokens).
+    Shapes met first later (e.g. another decode batch size) still compile on first use.
+
+    Returns:
+        The seconds it took.
+    """
+    tokens = max(1, min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2))
+    t0 = time.perf_counter()
+    run_requests(model, [[0] * tokens], [0], SamplingParams(max_new_tokens=2), stop_ids=(),
+                 cuda_graphs=False)
+    return time.perf_counter() - t0

@@ -69,16 +69,19 @@ class RankWorker:
 
     def load(self, model_dir: str, topology: str, dtype: str = "auto", backend: str = "auto",
              progress: bool = True) -> dict:
-        """Build and load this rank's model for `topology`; returns a short description, with
-        the warnings the load raised (the driver shows them: Ray forwards a worker's stderr
-        only asynchronously)."""
+        """Build and load this rank's model for `topology`; on a GPU, warm it up
+        (scheduler.warm_up: its kernels compile here, not in the first request's timings).
+        Returns a short description, with the warnings the load raised (the driver shows them:
+        Ray forwards a worker's stderr only asynchronously) and the warm-up's seconds."""
         from ..models import Parallel, load_model
+        from .scheduler import warm_up
         self.model = None
         parallel = Parallel(topology, self.rank, self.world_size, self.group, backend, self.timeout_s)
         with warnings.catch_warnings(record=True) as caught:  # (the driver shows them)
             warnings.simplefilter("always")
             self.model = load_model(model_dir, parallel, dtype=dtype, device=self.device,
                                     progress=progress)
+            warm_s = warm_up(self.model) if self.device.type == "cuda" else 0.0
         for layer in self.model.layers:  # (a graph replay runs no hook: its step is counted)
             layer.register_forward_hook(self._layer_done)
         layer = next((l.mlp for l in self.model.layers if hasattr(l.mlp, "local_expert_range")), None)
@@ -87,7 +90,7 @@ class RankWorker:
         return {"rank": self.rank, "experts": [experts.start, experts.stop],
                 "q_heads": [sh.q_start, sh.q_start + sh.q_heads],
                 "kv_heads": [sh.kv_start, sh.kv_start + sh.kv_heads],
-                "eos_token_ids": list(self.model.spec.eos_token_ids),
+                "eos_token_ids": list(self.model.spec.eos_token_ids), "warm_up_s": warm_s,
                 "warnings": list(dict.fromkeys(str(w.message) for w in caught))}
 
     def generate(self, prompts: Sequence[Sequence[int]], request_ids: Sequence[int], params,
