@@ -423,16 +423,19 @@ def test_gqa_attention_equals_repeated_kv_heads(L, S, heads, kv_heads, monkeypat
     torch.testing.assert_close(chunked.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_grouped_attention_bf16_is_as_accurate_as_sdpa():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grouped_attention_bf16_is_as_accurate_as_sdpa(device):
     """bf16 inputs, large scores (queries x3): the two-bmm attention keeps its scores in fp32,
     so it stays within a small multiple of SDPA's error against float64 (bf16 scores were
-    4.9e-2 against SDPA's 2.1e-3 at B 2, 32/4 heads, S 4096)."""
-    from moe_runtime.models.transformer import _grouped_attention
+    4.9e-2 against SDPA's 2.1e-3 at B 2, 32/4 heads, S 4096); on CUDA from the bf16 keys
+    themselves (bmm with fp32 output), on the CPU from their fp32 copy."""
+    from moe_runtime.models.transformer import _fp32_scores, _grouped_attention
     g = torch.Generator().manual_seed(0)
     B, h, kv, S, D = 2, 8, 2, 1024, 64
-    q = (3 * torch.randn(B, h, 1, D, generator=g)).bfloat16()
-    k, v = (torch.randn(B, kv, S, D, generator=g).bfloat16() for _ in range(2))
-    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    q = (3 * torch.randn(B, h, 1, D, generator=g)).bfloat16().to(device)
+    k, v = (torch.randn(B, kv, S, D, generator=g).bfloat16().to(device) for _ in range(2))
+    assert _fp32_scores(q, k) == (device == "cuda")
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=device)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(h // kv, 1), v.double().repeat_interleave(h // kv, 1))
     err = lambda out: float((out.double() - ref).abs().max() / ref.abs().max())  # noqa: E731

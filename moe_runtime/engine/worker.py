@@ -81,7 +81,9 @@ class RankWorker:
             warnings.simplefilter("always")
             self.model = load_model(model_dir, parallel, dtype=dtype, device=self.device,
                                     progress=progress)
-            warm_s = warm_up(self.model) if self.device.type == "cuda" else 0.0
+        # (outside the recorded warnings: the kernel libraries' own deprecation notices, which
+        # the default filters hide, would otherwise reach the user as the load's warnings)
+        warm_s = warm_up(self.model) if self.device.type == "cuda" else 0.0
         for layer in self.model.layers:  # (a graph replay runs no hook: its step is counted)
             layer.register_forward_hook(self._layer_done)
         layer = next((l.mlp for l in self.model.layers if hasattr(l.mlp, "local_expert_range")), None)

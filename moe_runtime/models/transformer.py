@@ -173,11 +173,13 @@ def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) ->
     (cuDNN) took 90 / 694 µs for one sequence at S = 4096 / 32768 (32 query, 4 kv heads of
     128, bf16) against 27 / 87 µs for the two bmm with bf16 scores, as it splits the work by
     query tiles (bench_out diagnostic attn_decode.py; at 4 positions of 16 sequences SDPA was
-    faster, 108 / 159 µs). Keeping the scores in fp32 (the keys cast per call) raised the
-    graphed decode step of benchmarks/engine_step.py's Qwen3 model from 1.62 to 1.75 ms for
-    one sequence at S = 4096 and from 5.06 to 9.69 ms for 16 at S = 16384, where cuDNN SDPA
-    on the folded rows (356 µs per layer against 246 with bf16 scores) may now be faster:
-    not measured yet. Prefill runs SDPA over the kv heads repeated per query head."""
+    faster, 108 / 159 µs). The scores are fp32 (bf16 ones lose accuracy): from an fp32 copy
+    of the keys per call, the graphed decode step of benchmarks/engine_step.py's Qwen3 model
+    took 1.75 / 2.90 ms for one sequence at S = 4096 / 32768 and 5.32 / 9.69 ms for 16 at
+    S = 4096 / 16384; from the bf16 keys with fp32 bmm output (`_fp32_scores`, two
+    interleaved rounds, 2026-11-30) 1.61-1.68 / 2.08-2.15 and 3.74 / 5.10-5.20 ms (the MLA
+    model's 16 at S = 16384: 6.82-6.92 -> 4.82-4.92 ms). Prefill runs SDPA over the kv heads
+    repeated per query head."""
     keys, values = cache.write(module.layer_idx, positions, k, v, _kv_len(mask, q.shape[2]))
     rep = q.shape[1] // keys.shape[1]
     if q.shape[2] <= DECODE_POSITIONS:
@@ -190,13 +192,23 @@ def _attend(module: nn.Module, q, k, v, positions, mask, cache, scale: float) ->
 SCORES_PER_CHUNK = 1 << 26  # `_grouped_attention`'s scores per query chunk (64 Mi: ~0.6 GiB transient)
 
 
+def _fp32_scores(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether q @ keys^T can run on the 16-bit tensors with fp32 accumulation and fp32 output
+    (torch.bmm's out_dtype, CUDA, torch >= 2.8): the fp32 copy of the keys it saves is read
+    and written every decode step (B16 x 16384 cached positions of 4 kv heads of 128: 1.1 GB
+    of traffic per layer against the 0.27 GB the keys are)."""
+    return (q.is_cuda and q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16)
+            and hasattr(torch.ops.aten.bmm, "dtype"))
+
+
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention with the query heads of each kv head folded into its query rows (GQA, and
     MLA's one latent head), so the keys and values are never repeated per query head: two bmm
     over B * kv_heads; scores and softmax in fp32 (bf16 scores were 6-23x less accurate than
     SDPA's), the probabilities in the values' dtype for the second bmm, as HF's eager
-    attention. q [B, heads, L, Dk], keys [B, kv_heads, S, Dk], values [B, kv_heads, S, Dv],
+    attention. 16-bit queries and keys on CUDA go into the first bmm as they are, with fp32
+    output (`_fp32_scores`), instead of as an fp32 copy of the keys. q [B, heads, L, Dk], keys [B, kv_heads, S, Dk], values [B, kv_heads, S, Dv],
     mask bool [B, 1, L, S] (True = attend; every row attends somewhere) or None (causal, L =
     S) -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks
     of about SCORES_PER_CHUNK scores (one position at least; a long MLA prefill would
@@ -205,14 +217,21 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     kv, S = keys.shape[1], keys.shape[2]
     if mask is None:
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()[None, None]
-    keys_t = keys.reshape(B * kv, S, Dk).transpose(1, 2).float()
+    keys_t = keys.reshape(B * kv, S, Dk).transpose(1, 2)
+    direct = _fp32_scores(q, keys)
+    if not direct:
+        keys_t = keys_t.float()
     values = values.reshape(B * kv, S, -1)
     chunk = max(1, SCORES_PER_CHUNK // max(1, B * h * S))
     outs = []
     for i in range(0, L, chunk):
         n = min(chunk, L - i)
         rows = q[:, :, i:i + n].reshape(B * kv, h // kv * n, Dk)  # row r * n + l: head kv_i * rep + r
-        scores = torch.bmm(rows.float() * scale, keys_t).view(B, kv, h // kv, n, S)
+        if direct:
+            scores = torch.bmm(rows, keys_t, out_dtype=torch.float32).mul_(scale)
+        else:
+            scores = torch.bmm(rows.float() * scale, keys_t)
+        scores = scores.view(B, kv, h // kv, n, S)
         scores = scores.masked_fill(~mask[:, :, None, i:i + n], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(values.dtype)
         outs.append(torch.bmm(p.view(B * kv, h // kv * n, S), values).view(B, h, n, -1))
