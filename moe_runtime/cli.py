@@ -105,8 +105,8 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=32,
                    help="tokens generated per prompt")
     p.add_argument("--max-batch-size", type=_int_at_least(1), default=64,
-                   help="prompts run together (each rank's KV cache is sized for one batch); "
-                        "more are run in consecutive batches")
+                   help="sequences a rank generates together (its KV cache has this many "
+                        "slots); a finished one's slot takes the next waiting prompt")
     p.add_argument("--temperature", type=_float_in("a finite number >= 0", lambda t: math.isfinite(t) and t >= 0),
                    default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_float_in("in (0, 1]", lambda p: 0 < p <= 1), default=1.0,

@@ -130,10 +130,14 @@ def test_seeded_sampling_is_the_same_on_every_topology(engines):
     assert greedy != runs["local"]
 
 
-@pytest.mark.parametrize("world_size,topology", [(1, "local"), (2, "dp_p2p")])
-def test_batches_of_prompts_give_the_same_completions(engines, reference, world_size, topology):
-    """max_batch_size splits the prompts into consecutive batches: seeded and greedy completions
-    are the same as in one batch (per-request seeds), and the token counts add up."""
+@pytest.mark.parametrize("world_size,topology", [(1, "local"), (2, "tp"), (2, "dp_p2p")])
+def test_continuous_batching_gives_the_same_completions(engines, ckpt, reference, world_size,
+                                                        topology):
+    """max_batch_size caps the sequences a rank decodes together, and a finished request's KV
+    cache slot takes the next waiting prompt while the others decode: seeded and greedy
+    completions are those of one batch and of HF, also when a stop token ends requests at
+    different steps, and the slots are refilled (fewer decode steps than consecutive batches
+    of max_batch_size would take)."""
     eng = engines(world_size, topology)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.95, seed=11)
     whole = eng.generate(PROMPTS, params)
@@ -141,7 +145,14 @@ def test_batches_of_prompts_give_the_same_completions(engines, reference, world_
     assert ids_of(split) == ids_of(whole)
     assert split.prefill_tokens == whole.prefill_tokens
     assert split.decode_tokens == whole.decode_tokens
-    assert len(split.per_rank) == 3 * world_size  # 5 prompts: batches of 2, 2, 1
+    assert len(split.per_rank) == world_size and len({o.steps for o in split.per_rank}) == 1
+    stop = reference[0][4]
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,)),
+                       max_batch_size=2)
+    assert ids_of(res) == hf_greedy(ckpt, PROMPTS, NEW, eos_token_id=stop)
+    if topology != "dp_p2p":  # (every rank holds all 5 prompts: consecutive pairs would take
+        # 3 rounds of NEW - 1 steps, as the first pair's second request runs to the length)
+        assert res.per_rank[0].steps < 3 * (NEW - 1)
     assert ids_of(eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW),
                                max_batch_size=1)) == reference
     for bad in (0, -1, 2.5, True):

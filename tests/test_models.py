@@ -79,6 +79,34 @@ def test_stop_token_ends_a_request_early_like_hf_eos(ckpts):
     assert out.finish_reasons[0] == "stop" and len(out.token_ids[0]) == 4
 
 
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
+def test_continuous_batching_refills_slots_and_equals_hf(ckpts, arch):
+    """One KV cache slot (max_batch_size=1) or two for three prompts: each request finishing
+    (at a stop token or the length) hands its slot to the next, which is prefilled into the
+    cache rows the previous one left (the latent cache too); the ids are HF's, prompt by
+    prompt, and the forward passes are one prefill per placement plus the decode steps."""
+    d = ckpts[arch]
+    ref = hf_greedy(d, PROMPTS, NEW_TOKENS)
+    stop = ref[0][3]
+    want = [w[:w.index(stop) + 1] if stop in w else w
+            for w in hf_greedy(d, PROMPTS, NEW_TOKENS, eos_token_id=stop)]
+    model = load_model(d, Parallel(), progress=False)
+    for slots in (1, 2):
+        passes = []
+        out = run_requests(model, encode(d, PROMPTS), range(3),
+                           SamplingParams(max_new_tokens=NEW_TOKENS), stop_ids=[stop],
+                           max_batch_size=slots, on_step=passes.append)
+        assert out.token_ids == want, slots
+        assert passes == list(range(1, len(passes) + 1))
+        if slots == 1:  # one request at a time: its prefill, then a step per further token
+            assert out.steps == sum(len(w) - 1 for w in want) and len(passes) == 3 + out.steps
+        else:  # prompt 2 takes prompt 0's slot while prompt 1 decodes
+            assert out.steps < sum(len(w) - 1 for w in want) and len(passes) == 2 + out.steps
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        run_requests(model, encode(d, PROMPTS), range(3), SamplingParams(), stop_ids=[],
+                     max_batch_size=0)
+
+
 def _to_fused(src: str, dst: str) -> None:
     """Rewrite a per-expert checkpoint with transformers' fused in-memory expert layout."""
     spec, a = read_spec(src)

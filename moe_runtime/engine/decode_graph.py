@@ -37,7 +37,8 @@ class DecodeGraph:
     """The decode step of `model` for `batch` sequences over `cache`, captured per length
     bucket (`kv_bucket`) and replayed: a step attends over the bucket of the longest sequence's
     positions, not the whole cache, and a generate call captures O(log max_len) graphs (only
-    the current one is kept: lengths only grow).
+    the current one is kept; the bucket never shrinks, e.g. when a short request takes the
+    slot of a long one: a larger bucket only reads more masked positions).
 
     Args:
         model: a MoECausalLM for which `graphs_apply` holds.
@@ -79,7 +80,7 @@ class DecodeGraph:
         """
         self.ids.copy_(tokens.view(-1, 1))
         self.positions.copy_(positions.view(-1, 1))
-        kv_len = self.kv_bucket(int(positions.max()) + 1)
+        kv_len = max(self.kv_len, self.kv_bucket(int(positions.max()) + 1))
         if kv_len != self.kv_len:
             self.graph = self.logits = None  # (its memory goes back before the next capture)
             self.kv_len = kv_len

@@ -591,11 +591,12 @@ class Engine:
             prompts: a list of texts (a single str is one prompt), tokenized with the checkpoint's tokenizer, no special tokens added
                 beyond what the tokenizer adds by default).
             params: SamplingParams.
-            max_batch_size: run the prompts in consecutive batches of at most this many (each
-                rank's KV cache is sized for its batch: a long prompt list in one batch may not
-                fit in memory); None: one batch. In float32 the completions do not depend on
-                it (per-request seeds; in bf16 / fp16 near-ties may go either way, see
-                SamplingParams.seed).
+            max_batch_size: at most this many sequences per rank generate together
+                (continuous batching: a finished request's KV cache slot takes the next
+                waiting prompt; each rank's cache holds max_batch_size x (longest prompt +
+                max_new_tokens) positions); None: every prompt at once. In float32 the
+                completions do not depend on it (per-request seeds; in bf16 / fp16 near-ties
+                may go either way, see SamplingParams.seed).
             fail_at_step: testing aid, {rank: decode step}: that rank raises at that step.
 
         Returns:
@@ -645,32 +646,26 @@ class Engine:
                 stop.add(int(self.tokenizer.eos_token_id))
         dp = self.topology.startswith("dp_")
         n = len(prompt_ids)
-        size = max_batch_size or max(n, 1)
+        owners = assign_requests([len(p) for p in prompt_ids], self.world_size, dp)
+        per_rank = [([list(prompt_ids[i]) for i in own], own, params, sorted(stop),
+                     (fail_at_step or {}).get(r), self.cuda_graphs, max_batch_size)
+                    for r, own in enumerate(owners)]
+        outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank,
+                                                progress=True)
         by_request: dict[int, tuple[list[int], str]] = {}
-        batches: list[list[RankOutput]] = []
-        for start in range(0, max(n, 1), size):  # (no prompts: one call, every rank idle)
-            chunk = range(start, min(start + size, n))
-            owners = assign_requests([len(prompt_ids[i]) for i in chunk], self.world_size, dp)
-            per_rank = [([list(prompt_ids[chunk[i]]) for i in own], [chunk[i] for i in own], params,
-                         sorted(stop), (fail_at_step or {}).get(r), self.cuda_graphs)
-                        for r, own in enumerate(owners)]
-            outs: list[RankOutput] = self._call_all("generate", "generate", per_rank_args=per_rank,
-                                                    progress=True)
-            for o in (outs if dp else outs[:1]):
-                for i, toks, why in zip(o.request_ids, o.token_ids, o.finish_reasons):
-                    by_request[i] = (toks, why)
-            batches.append(outs)
+        counted = outs if dp else outs[:1]
+        for o in counted:
+            for i, toks, why in zip(o.request_ids, o.token_ids, o.finish_reasons):
+                by_request[i] = (toks, why)
         labels = list(prompts) if prompts is not None else [self.tokenizer.decode(p) for p in prompt_ids]
         completions = [Completion(labels[i], self.tokenizer.decode(by_request[i][0], skip_special_tokens=True),
                                   by_request[i][0], by_request[i][1]) for i in range(n)]
-        counted = [o for outs in batches for o in (outs if dp else outs[:1])]
         return GenerationResult(
             completions, self.topology, self.topology_reason, self.world_size,
             prefill_tokens=sum(o.prefill_tokens for o in counted),
-            prefill_s=sum(max(o.prefill_s for o in outs) for outs in batches),
+            prefill_s=max((o.prefill_s for o in outs), default=0.0),
             decode_tokens=sum(o.decode_tokens for o in counted),
-            decode_s=sum(max(o.decode_s for o in outs) for outs in batches),
-            per_rank=[o for outs in batches for o in outs])
+            decode_s=max((o.decode_s for o in outs), default=0.0), per_rank=outs)
 
     # -- shutdown -------------------------------------------------------------------------------
     def _kill_workers(self) -> None:

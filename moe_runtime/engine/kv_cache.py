@@ -1,6 +1,8 @@
 """KV cache of one rank: preallocated keys and values per layer for a fixed batch."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -9,8 +11,9 @@ class KVCache:
 
     Storage per layer: k, v [B, kv_heads, max_len, head_dim] in `dtype` on `device`; with
     values_in_keys=n, no v: the values are the keys' first n dims (MLA's latent cache: keys
-    [latent | rotated rope key], values the latent). Sequence b keeps position p in slot p (no paging); padding slots hold stale values that the causal
-    mask never reads.
+    [latent | rotated rope key], values the latent). Sequence b keeps position p in slot p (no
+    paging); positions past a sequence's own (padding, or a previous request of the row) hold
+    stale values that the causal mask never reads.
 
     Raises:
         ValueError: non-positive sizes (B may be 0).
@@ -29,6 +32,15 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values_in_keys = values_in_keys
         self.max_len = max_len
+        self.rows: torch.Tensor | None = None
+
+    def at(self, rows: torch.Tensor) -> "KVCache":
+        """The sequences `rows` (int64 [R] on the cache's device, distinct) of this cache as a
+        cache of R sequences sharing its storage: what a prefill of the requests just placed in
+        those slots writes and reads (scheduler.run_requests)."""
+        view = copy.copy(self)
+        view.rows = rows
+        return view
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               length: int):
@@ -44,18 +56,21 @@ class KVCache:
 
         Returns:
             (keys, values) [B, kv_heads, S, head_dim] (values: [..., values_in_keys], a view of
-            the keys).
+            the keys); views of the storage, or copies of the rows of a cache made by `at`.
 
         Raises:
             ValueError: a length past max_len.
         """
         if length > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked for {length}")
-        b = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+        rows = self.rows
+        b = (torch.arange(positions.shape[0], device=positions.device) if rows is None
+             else rows)[:, None].expand_as(positions)
         kc = self.k[layer]
         kc[b, :, positions] = k.transpose(1, 2).to(kc.dtype)
+        keys = kc[:, :, :length] if rows is None else kc[rows, :, :length]
         if self.v is None:
-            return kc[:, :, :length], kc[:, :, :length, :self.values_in_keys]
+            return keys, keys[..., :self.values_in_keys]
         vc = self.v[layer]
         vc[b, :, positions] = v.transpose(1, 2).to(vc.dtype)
-        return kc[:, :, :length], vc[:, :, :length]
+        return keys, vc[:, :, :length] if rows is None else vc[rows, :, :length]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -50,16 +51,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _any_active_anywhere(active: torch.Tensor, parallel, device: torch.device) -> bool:
-    """Under dp_* with several ranks: whether any rank still has an active request (a SUM
-    all-reduce on `device`, since nccl reduces only CUDA tensors, so every rank takes the same
-    number of steps)."""
-    flag = torch.tensor([int(bool(active.any()))], dtype=torch.int64, device=device)
+def _agree(flags: Sequence[int], parallel, device: torch.device) -> list[int]:
+    """Under dp_* with several ranks: each flag summed over the ranks (one all-reduce on
+    `device`: nccl reduces only CUDA tensors), so that every rank takes the same branch and
+    runs the same forward passes; otherwise the flags themselves."""
+    t = torch.tensor(list(flags), dtype=torch.int64, device=device)
     if parallel.data_parallel and parallel.world_size > 1:
         from ..comm import all_reduce_sum
-        all_reduce_sum(flag, group=parallel.group, step="decode: any request active",
+        all_reduce_sum(t, group=parallel.group, step="scheduler: requests to place or decode",
                        timeout_s=parallel.timeout_s)
-    return bool(flag.item())
+    return t.tolist()
 
 
 def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.Tensor:
@@ -99,10 +100,20 @@ def _decode_step(model, cache, batch: int, steps: int, cuda_graphs: bool):
 
 def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[int],
                  params: SamplingParams, stop_ids: Sequence[int], *,
+                 max_batch_size: Optional[int] = None,
                  fail_at_step: Optional[int] = None,
                  on_step: Optional[Callable[[int], None]] = None,
                  cuda_graphs: bool = True) -> RankOutput:
-    """Prefill, then decode in lockstep with the other ranks, on this rank's requests.
+    """Prefill and decode this rank's requests in lockstep with the other ranks, with
+    continuous batching: at most `max_batch_size` sequences hold a slot of the KV cache; a
+    request that finishes frees its slot, and the next waiting request is prefilled into it
+    (one prefill forward for all requests placed at once) while the others keep decoding.
+
+    Every forward pass is collective under a multi-rank topology: under dp_* the ranks agree
+    before each one (a small all-reduce) on whether it is a prefill (some rank placed
+    requests; the others run an empty one) or a decode step (some rank has a sequence
+    generating), and stop together; under tp every rank holds every request and takes rank
+    0's sampled tokens, so their decisions agree by construction.
 
     Args:
         model: a MoECausalLM (its `parallel` says tp / dp / local).
@@ -110,75 +121,114 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         request_ids: global indices of these requests (seed the samplers).
         params: SamplingParams.
         stop_ids: token ids that finish a request.
+        max_batch_size: slots of the KV cache (sequences decoded together); None: one per
+            request. The cache holds max_batch_size x (longest prompt + max_new_tokens)
+            positions.
         fail_at_step: testing aid: raise RuntimeError at this decode step (fault tests).
-        on_step: called with the number of forward passes done (1 after prefill, then one more
-            per decode step): the rank's progress (RankWorker.progress).
+        on_step: called with the number of forward passes done (prefills and decode steps):
+            the rank's progress (RankWorker.progress).
         cuda_graphs: replay the decode steps from CUDA graphs where the model allows it
             (decode_graph.graphs_apply: one rank on CUDA, MoE layers free of host syncs) and
             there are GRAPH_MIN_STEPS of them or more; RankOutput.extra["cuda_graphs"] says
             whether it did.
 
     Returns:
-        RankOutput. finish_reasons: "stop" (a stop token) or "length" (max_new_tokens).
+        RankOutput in the order of `prompts`; finish_reasons "stop" (a stop token) or
+        "length" (max_new_tokens). prefill_s: the prefill forwards; decode_s: the rest.
 
     Raises:
-        ValueError: an empty prompt. CollectiveError: a peer failed or stalled.
+        ValueError: an empty prompt, or max_batch_size < 1. CollectiveError: a peer failed or
+            stalled.
     """
     dev = model.device
-    spec = model.spec
-    B = len(prompts)
+    n = len(prompts)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must have at least one token")
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-    L = int(lens.max()) if B else 1
-    ids = torch.zeros(B, L, dtype=torch.int64)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
-    positions = torch.arange(L).expand(B, L).contiguous()
-    valid = positions < lens[:, None]
-    cache = model.new_cache(B, L + params.max_new_tokens, device=dev)
-    gens = request_generators(params.seed, request_ids) if params.temperature > 0 else []
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+    slots = min(n, max_batch_size or n)
+    cache = model.new_cache(slots, max((len(p) for p in prompts), default=1)
+                            + params.max_new_tokens, device=dev)
+    gens = request_generators(params.seed, request_ids) if params.temperature > 0 else [None] * n
     stop = set(int(s) for s in stop_ids)
-    out = RankOutput(list(request_ids), [[] for _ in range(B)], ["length"] * B,
-                     prefill_tokens=int(lens.sum()))
+    out = RankOutput(list(request_ids), [[] for _ in range(n)], ["length"] * n,
+                     prefill_tokens=sum(len(p) for p in prompts))
+    owner = [-1] * slots  # the request in each slot (-1: free)
+    tokens = torch.zeros(slots, dtype=torch.int64)  # what each slot feeds at its next step
+    lengths = torch.zeros(slots, dtype=torch.int64)  # ... and at which position
+    waiting = deque(range(n))
+    forwards = 0
 
-    _sync(dev)
-    t0 = time.perf_counter()
-    logits = model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev),
-                   cache, prefill=True)
-    _sync(dev)
-    out.prefill_s = time.perf_counter() - t0
-    if on_step is not None:
-        on_step(1)
-
-    t0 = time.perf_counter()
-    active = torch.ones(B, dtype=torch.bool)
-    lengths = lens.clone()
-    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, B, params.max_new_tokens - 1,
-                                                    cuda_graphs)
-    for step in range(params.max_new_tokens):
-        tokens = _from_rank0(sample(logits, params, gens), model.parallel, dev)
-        for b in active.nonzero().flatten().tolist():
-            t = int(tokens[b])
-            out.token_ids[b].append(t)
+    def take(rows: list[int], logits: torch.Tensor) -> None:
+        """Sample the next token of the requests in slots `rows` (logits [len(rows), V])."""
+        picked = _from_rank0(sample(logits, params, [gens[owner[b]] for b in rows]),
+                             model.parallel, dev)
+        for b, t in zip(rows, picked.tolist()):
+            r = owner[b]
+            out.token_ids[r].append(t)
+            tokens[b] = t
             if t in stop:
-                active[b], out.finish_reasons[b] = False, "stop"
-            elif len(out.token_ids[b]) >= params.max_new_tokens:
-                active[b] = False
-        if not _any_active_anywhere(active, model.parallel, dev):
+                out.finish_reasons[r], owner[b] = "stop", -1
+            elif len(out.token_ids[r]) >= params.max_new_tokens:
+                owner[b] = -1
+
+    def counted() -> None:
+        nonlocal forwards
+        forwards += 1
+        if on_step is not None:
+            on_step(forwards)
+
+    _sync(dev)
+    start = time.perf_counter()
+    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, slots, params.max_new_tokens - 1,
+                                                    cuda_graphs)
+    while True:
+        placed = [b for b in range(slots) if owner[b] < 0][:len(waiting)]
+        for b in placed:
+            owner[b] = waiting.popleft()
+        generating = [b for b in range(slots) if owner[b] >= 0 and b not in placed]
+        any_placed, any_generating = _agree([len(placed), len(generating)], model.parallel, dev)
+        if any_placed:
+            _sync(dev)
+            t0 = time.perf_counter()
+            logits = _prefill(model, cache, [prompts[owner[b]] for b in placed], placed)
+            _sync(dev)
+            out.prefill_s += time.perf_counter() - t0
+            lengths[placed] = torch.tensor([len(prompts[owner[b]]) for b in placed],
+                                           dtype=torch.int64)
+            counted()
+            take(placed, logits)
+            continue
+        if not any_generating:
             break
-        if fail_at_step is not None and step == fail_at_step:
-            raise RuntimeError(f"injected fault at decode step {step}")
+        if fail_at_step is not None and out.steps == fail_at_step:
+            raise RuntimeError(f"injected fault at decode step {out.steps}")
+        active = torch.tensor([o >= 0 for o in owner], dtype=torch.bool)
         logits = decode(tokens, lengths, active)
         lengths += active.to(torch.int64)
         out.steps += 1
-        if on_step is not None:
-            on_step(out.steps + 1)
+        counted()
+        take(generating, logits[torch.tensor(generating, dtype=torch.int64, device=logits.device)])
     _sync(dev)
-    out.decode_s = time.perf_counter() - t0
+    out.decode_s = time.perf_counter() - start - out.prefill_s
     out.decode_tokens = sum(max(len(t) - 1, 0) for t in out.token_ids)
     return out
 
+
+def _prefill(model, cache, prompts: Sequence[Sequence[int]], rows: list[int]) -> torch.Tensor:
+    """One prefill forward of `prompts` (right-padded) into the cache rows `rows`; fp32
+    logits [len(rows), V] of each prompt's last position (none: the empty forward of a dp
+    rank whose peers prefill)."""
+    dev = model.device
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    L = int(lens.max()) if prompts else 1
+    ids = torch.zeros(len(prompts), L, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
+    positions = torch.arange(L).expand(len(prompts), L).contiguous()
+    valid = positions < lens[:, None]
+    return model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev),
+                 cache.at(torch.tensor(rows, dtype=torch.int64, device=dev)), prefill=True)
 
 def warm_up(model) -> float:
     """Pay the costs of a model's first forward passes before the first request: compiling the

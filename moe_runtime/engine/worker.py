@@ -97,15 +97,15 @@ class RankWorker:
 
     def generate(self, prompts: Sequence[Sequence[int]], request_ids: Sequence[int], params,
                  stop_ids: Sequence[int], fail_at_step: Optional[int] = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, max_batch_size: Optional[int] = None):
         """Run this rank's requests (see scheduler.run_requests); returns a RankOutput."""
         from .scheduler import run_requests
         if self.model is None:
             raise RuntimeError(f"rank {self.rank}: no model loaded")
         self.steps = self.layers_run = 0
         return run_requests(self.model, prompts, request_ids, params, stop_ids,
-                            fail_at_step=fail_at_step, on_step=self._count,
-                            cuda_graphs=cuda_graphs)
+                            max_batch_size=max_batch_size, fail_at_step=fail_at_step,
+                            on_step=self._count, cuda_graphs=cuda_graphs)
 
     def _count(self, steps: int) -> None:
         self.steps = steps

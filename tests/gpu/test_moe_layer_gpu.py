@@ -382,6 +382,13 @@ def test_engine_decode_graph_replays_the_eager_steps(tmp_path, arch):
                            cuda_graphs=graphs)
         assert out.extra["cuda_graphs"] is (graphs and new > GRAPH_MIN_STEPS)
         assert all(len(t) == new for t in out.token_ids)
+    # continuous batching under the graph: prompt 2 is prefilled into the slot prompt 0
+    # left, between replays (its positions below prompt 1's 300: the 512 bucket stays)
+    prompts, new = [[1, 2, 3], [4, 5, 6, 7, 8] * 60, [9, 10]], 2 * GRAPH_MIN_STEPS
+    out = run_requests(model, prompts, range(3), SamplingParams(max_new_tokens=new),
+                       stop_ids=[], max_batch_size=2)
+    assert out.extra["cuda_graphs"] and all(len(t) == new for t in out.token_ids)
+    assert out.steps == 2 * (new - 1)  # two rounds of steps: a slot reused once
 
 
 _FAILED_CAPTURE = """
