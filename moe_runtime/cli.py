@@ -27,14 +27,15 @@ class UsageError(ValueError):
     """A bad argument value found after parsing (needs the checkpoint): exit code 2."""
 
 
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: Optional[int] = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be >= {low}" + ("" if high is None else f" and <= {high}") + f", got {value}")
         return value
     return parse
 
@@ -80,7 +81,8 @@ def _add_make_checkpoint(sub) -> None:
     p.add_argument("--arch", choices=sorted(ARCH_NAMES), default="qwen3-moe",
                    help="model family")
     p.add_argument("--preset", choices=PRESETS, default="tiny", help="model size")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--seed", type=_int_at_least(0, 2 ** 63 - 1), default=0,
+                   help="seed of the random weights")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default: the preset's)")
     p.add_argument("--max-shard-size", type=_shard_size, default=None,
@@ -241,6 +243,11 @@ def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     check_generate_inputs(model_dir, prompts, args)  # before Ray starts
+    ignored = [f for f, on in (("--top-k", args.top_k is not None), ("--top-p", args.top_p != 1.0),
+                               ("--seed", args.seed != 0)) if on]
+    if ignored and args.temperature == 0:
+        print(f"note: {', '.join(ignored)} apply when sampling (--temperature > 0); decoding "
+              "greedily", file=sys.stderr, flush=True)
     engine = None
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
@@ -303,6 +310,13 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
         from .models.make_checkpoint import cached_checkpoint
         path = cached_checkpoint("qwen3-moe", "tiny")
         print(f"demo checkpoint: {path}", flush=True)
+        try:
+            check_generate_inputs(path, list(DEMO_PROMPTS), args)
+        except UsageError:
+            raise
+        except (ValueError, OSError) as e:  # (a cached copy damaged since it was made)
+            raise ValueError(f"{e} (the demo's cached checkpoint {path} may be damaged: delete "
+                             "that directory and the demo makes it again)") from None
         return run_generate(path, list(DEMO_PROMPTS), args)
     except KeyboardInterrupt:
         return 130

@@ -238,6 +238,46 @@ def test_make_checkpoint_arch_preset_mismatch_is_a_usage_error(tmp_path, capsys)
     assert "use --arch qwen3-moe" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
 
 
+def test_make_checkpoint_refuses_unusable_paths_and_seeds_before_writing(tmp_path, capsys,
+                                                                          monkeypatch):
+    """A file, an empty path, an unwritable parent or an out-of-range seed fail at once, naming
+    the given path, before any weights are made (they were written first, then the rename
+    failed naming a temporary directory)."""
+    import moe_runtime.models.make_checkpoint as mc
+
+    def refuse():
+        raise AssertionError("weights were about to be made")
+    monkeypatch.setattr(mc, "train_tokenizer", refuse)
+    a_file = tmp_path / "prompts.txt"
+    a_file.write_text("hi")
+    for out, message in ((str(a_file), f"{a_file} exists and is not a directory"),
+                         ("", "out_dir must be a directory path"),
+                         (str(a_file / "x"), f"cannot write a checkpoint at {a_file / 'x'}")):
+        assert cli_main(["make-checkpoint", out]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"moe-runtime: error: {message}") and len(err.splitlines()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["prompts.txt"]  # no temporary directory left
+    with pytest.raises(SystemExit) as e:
+        cli_main(["make-checkpoint", "--seed", str(2 ** 64), str(tmp_path / "x")])
+    assert e.value.code == 2 and "must be >= 0 and <= 9223372036854775807" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="seed must be an int in"):
+        mc.make_checkpoint(str(tmp_path / "x"), seed=-1)
+
+
+def test_demo_with_a_damaged_cache_says_how_to_rebuild_it(tmp_path, capsys, monkeypatch):
+    from moe_runtime.models.make_checkpoint import cached_checkpoint
+    monkeypatch.setenv("MOE_RUNTIME_CACHE", str(tmp_path / "cache"))
+    path = cached_checkpoint("qwen3-moe", "tiny")
+    os.remove(os.path.join(path, "model.safetensors"))
+    assert cli_main(["demo"]) == 1
+    err = capsys.readouterr().err
+    assert f"the demo's cached checkpoint {path} may be damaged: delete that directory" in err
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MOE_RUNTIME_CACHE", str(tmp_path / "file"))
+    assert cli_main(["demo"]) == 1
+    assert f"the checkpoint cache {tmp_path / 'file'} is not a directory" in capsys.readouterr().err
+
+
 def test_deploy_entry_help_names_itself_and_its_ray_default(capsys):
     from moe_runtime import deploy
     with pytest.raises(SystemExit) as e:
@@ -284,6 +324,18 @@ def test_generate_input_errors_are_found_before_ray_starts(ckpt, capsys, no_engi
     assert cli_main(["generate", "--model", str(ckpt)] + argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("moe-runtime: error: ") and message in err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--top-k", "5", "--seed", "3"], "--top-k, --seed"), (["--top-p", "0.9"], "--top-p"),
+    (["--top-k", "5", "--temperature", "0.7"], None)])
+def test_sampling_options_without_temperature_are_named_as_unused(ckpt, capsys, no_engine, argv,
+                                                                   named):
+    with pytest.raises(AssertionError, match="the Engine was started"):
+        cli_main(["generate", "--model", str(ckpt), "--prompt", "hi"] + argv)
+    err = capsys.readouterr().err
+    assert (f"note: {named} apply when sampling (--temperature > 0); decoding greedily" in err
+            if named else "note:" not in err)
 
 
 def test_generate_without_weights_fails_before_ray_starts(ckpt, tmp_path, capsys, no_engine):

@@ -260,8 +260,9 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         out_dir, whose directory and file modes follow the umask (typically 0755 / 0644).
 
     Raises:
-        ValueError: unknown arch/preset, a preset the arch lacks, a bad max_shard_size, or a
-            non-empty out_dir.
+        ValueError: unknown arch/preset, a preset the arch lacks, a bad max_shard_size or seed,
+            an empty out_dir, one that is a file or a non-empty directory, or one whose parent
+            cannot be written.
     """
     import torch
     import transformers
@@ -269,24 +270,33 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     check_arch_preset(arch, preset)
     if max_shard_size is not None:
         max_shard_size = parse_shard_size(max_shard_size)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    if not out_dir:
+        raise ValueError("out_dir must be a directory path, got an empty one")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} exists and is not empty")
-    from . import get_architecture
-    a = get_architecture(ARCH_NAMES[arch])
-    big = preset == "qwen3-30b-a3b"
-    tokenizer = train_tokenizer()
-    kwargs = _KWARGS[arch](preset)
-    kwargs.setdefault("vocab_size", len(tokenizer))
-    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config_cls = getattr(transformers, a.hf_class_name.replace("ForCausalLM", "Config"))
-    config = config_cls(eos_token_id=eos, pad_token_id=eos, bos_token_id=None,
-                        tie_word_embeddings=False, **kwargs)
-    dtype = dtype or ("bfloat16" if big else "float32")
-    config.dtype = dtype
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".make_checkpoint-", dir=parent)
+    try:  # (before the weights are made: a path that cannot be written fails at once)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".make_checkpoint-", dir=parent)
+    except OSError as e:
+        raise ValueError(f"cannot write a checkpoint at {out_dir}: {e.strerror or e}") from None
     try:
+        from . import get_architecture
+        a = get_architecture(ARCH_NAMES[arch])
+        big = preset == "qwen3-30b-a3b"
+        tokenizer = train_tokenizer()
+        kwargs = _KWARGS[arch](preset)
+        kwargs.setdefault("vocab_size", len(tokenizer))
+        eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+        config_cls = getattr(transformers, a.hf_class_name.replace("ForCausalLM", "Config"))
+        config = config_cls(eos_token_id=eos, pad_token_id=eos, bos_token_id=None,
+                            tie_word_embeddings=False, **kwargs)
+        dtype = dtype or ("bfloat16" if big else "float32")
+        config.dtype = dtype
         if big and not force:
             config.save_pretrained(tmp)
             transformers.GenerationConfig.from_model_config(config).save_pretrained(tmp)
@@ -326,6 +336,9 @@ def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: 
     root = cache_dir or os.environ.get("MOE_RUNTIME_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "moe_runtime")
     path = os.path.join(root, f"{arch}-{preset}")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ValueError(f"the checkpoint cache {root} is not a directory (set MOE_RUNTIME_CACHE "
+                         "to another path)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         try:
             make_checkpoint(path, arch, preset)
