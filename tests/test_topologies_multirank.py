@@ -690,6 +690,50 @@ def test_collectives_wait_with_the_call_timeout(pools):
     assert pools(2).run(w_wait_bounds) == [[None, None, 1.5, None]] * 2
 
 
+class _FakeWork:
+    """An async collective that completes after `polls` is_completed() queries (never: None)."""
+
+    def __init__(self, polls):
+        self.polls, self.waits = polls, []
+
+    def is_completed(self):
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self, timeout=None):  # (blocks until complete; a stalled one times out at once)
+        self.waits.append(timeout.total_seconds())
+        if self.polls is None:
+            raise RuntimeError("Watchdog caught collective operation timeout")
+        while not self.is_completed():
+            pass
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_nccl_waits_poll_completion_themselves(monkeypatch, backend):
+    """On NCCL a bounded wait polls the work's completion (torch's own bounded NCCL wait
+    sleeps 1 ms between polls: tens of ms per decode step under tp) and then waits with the
+    time left: at once when done, torch's timeout path (an error naming the step) when the
+    bound ran out. gloo works wait with the whole bound, as before."""
+    from moe_runtime.comm import groups
+    monkeypatch.setattr(groups.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(groups.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(groups.dist, "get_world_size", lambda group=None: 2)
+    done = _FakeWork(5)
+    groups._bounded("layer 3 all_reduce", None, 2.0, lambda: done)
+    assert len(done.waits) == 1
+    assert (1.9 < done.waits[0] <= 2.0) if backend == "nccl" else done.waits[0] == 2.0
+    if backend == "nccl":
+        assert done.polls < 0  # (polled until complete)
+        stalled = _FakeWork(None)
+        t0 = time.monotonic()
+        with pytest.raises(groups.CollectiveError, match="rank 1/2: collective 'layer 3 "
+                                                         "all_reduce' failed or timed out"):
+            groups._bounded("layer 3 all_reduce", None, 0.05, lambda: stalled)
+        assert 0.05 <= time.monotonic() - t0 < 1.0 and stalled.waits == [0.001]
+
+
 def test_timeout_s_validated(monkeypatch):
     """0 (or under 1 ms) would be c10d's "no timeout"; NaN / inf / not a number are refused
     too, before anything is started (also in a process without torch.distributed)."""
