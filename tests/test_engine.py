@@ -31,7 +31,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=16, num_gpus=torch.cuda.device_count(), include_dashboard=False, object_store_memory=100 * 1024 ** 2,
+    # (address "local": a new instance even where `ray start` left a cluster, or its address
+    # file, on this machine)
+    ray.init(address="local", num_cpus=16, num_gpus=torch.cuda.device_count(),
+             include_dashboard=False, object_store_memory=100 * 1024 ** 2,
              logging_level=logging.WARNING)
     yield
     ray.shutdown()
