@@ -653,6 +653,11 @@ def test_warm_up_runs_a_long_prefill_and_a_decode_step_and_changes_nothing(ckpts
     want = min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2)
     assert want < WARM_UP_TOKENS  # (the tiny checkpoint caps it)
     assert seen == [want] * len(moe) + [1] * len(moe)
+    seen.clear()
+    moe[0].topology.max_tokens_per_rank = 100  # (a dp_nvlink cute topology refuses calls above)
+    warm_up(model)
+    assert seen[:len(moe)] == [100] * len(moe)
+    del moe[0].topology.max_tokens_per_rank
     out = run_requests(model, encode(d, PROMPTS), range(len(PROMPTS)),
                        SamplingParams(max_new_tokens=NEW_TOKENS), stop_ids=[])
     assert out.token_ids == hf_greedy(d, PROMPTS, NEW_TOKENS)

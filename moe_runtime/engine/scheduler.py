@@ -234,14 +234,17 @@ def warm_up(model) -> float:
     """Pay the costs of a model's first forward passes before the first request: compiling the
     CuTeDSL and quack kernels of its MoE layers (a few tenths of a second each, once per
     process), CUDA, cuBLAS and attention start-up. Runs one prefill of WARM_UP_TOKENS dummy
-    tokens (fewer where max_position_embeddings is smaller) and one eager decode step. Every
-    rank of a multi-rank model must call it together (the forwards exchange tokens).
-    Shapes met first later (e.g. another decode batch size) still compile on first use.
+    tokens (fewer where max_position_embeddings, or the tokens a rank may pass to one call of
+    its MoE topologies' peer buffers (`max_tokens_per_rank`), is smaller) and one eager decode
+    step. Every rank of a multi-rank model must call it together (the forwards exchange
+    tokens). Shapes met first later (e.g. another decode batch size) still compile on first use.
 
     Returns:
         The seconds it took.
     """
-    tokens = max(1, min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2))
+    limits = [getattr(layer.mlp.topology, "max_tokens_per_rank", WARM_UP_TOKENS)
+              for layer in model.layers if hasattr(layer.mlp, "topology")]
+    tokens = max(1, min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2, *limits))
     t0 = time.perf_counter()
     run_requests(model, [[0] * tokens], [0], SamplingParams(max_new_tokens=2), stop_ids=(),
                  cuda_graphs=False)
