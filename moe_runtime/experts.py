@@ -1,8 +1,6 @@
 """Expert weights of one rank and the grouped GEMMs over expert-major rows; shared experts."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,13 +21,27 @@ from .param_checks import CheckedModule
 GEMV_MAX_ROWS = 64
 
 
-@functools.lru_cache(maxsize=None)
+_GROUPED_MM_PROBED: dict[tuple, bool] = {}
+
+
 def grouped_mm_supported(device_type: str, device_index: int | None, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs for this device and dtype (probed once on tiny inputs).
 
     On CUDA, torch's grouped GEMM needs sm_90+ and bf16; on CPU recent torch supports all float
-    dtypes. The probe runs outside any CUDA-graph capture (first use of a layer).
+    dtypes. The probe runs outside any CUDA-graph capture (first use of a layer). While
+    torch.compile traces, an earlier eager probe's answer is used, else whether torch has
+    `_grouped_mm` at all (a probe traced on fake tensors could not fail; the cache is a dict
+    rather than functools.lru_cache, which dynamo traces through with a warning).
     """
+    key = (device_type, device_index, dtype)
+    if key not in _GROUPED_MM_PROBED:
+        if torch.compiler.is_compiling():
+            return hasattr(torch, "_grouped_mm")
+        _GROUPED_MM_PROBED[key] = _probe_grouped_mm(device_type, device_index, dtype)
+    return _GROUPED_MM_PROBED[key]
+
+
+def _probe_grouped_mm(device_type: str, device_index: int | None, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm") or (device_type == "cuda" and not torch.cuda.is_available()):
         return False
     dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
