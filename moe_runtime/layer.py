@@ -350,7 +350,8 @@ class MoELayer(nn.Module):
         Raises:
             TypeError: not a tensor, another dtype than the weights' (outside autocast),
                 weights of different dtypes (e.g. `.half()` on a submodule only), or float64.
-            ValueError: last dimension not H, another device than the weights, a weight
+            ValueError: last dimension not H, another device than the weights, the meta
+                device (a layer not materialized yet), a weight
                 replaced by one of another shape without an assignment (`.data = `), or
                 backend="cute" where it cannot run (autograd recording, not CUDA, CuTeDSL
                 not importable).
@@ -366,6 +367,11 @@ class MoELayer(nn.Module):
         if hidden_states.device != self.experts.gate_up_proj.device:
             raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights are on "
                              f"{self.experts.gate_up_proj.device}")
+        if hidden_states.is_meta:
+            raise ValueError("MoELayer forward needs real tensors, got the meta device (routing "
+                             "reads the expert counts): materialize the layer first, e.g. "
+                             "layer.to_empty(device=...), then load_state_dict(...) or "
+                             "reset_parameters() on each submodule that has one")
         dtype = self._weights_dtype(fallback=hidden_states.dtype
                                     if hidden_states.dtype in _DTYPES.values() else None)
         if hidden_states.dtype != dtype:

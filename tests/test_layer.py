@@ -308,6 +308,20 @@ def test_torch_compile_fp32_on_cpu():
     torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))
 
 
+def test_a_layer_on_the_meta_device_says_to_materialize_it():
+    cfg = MoEConfig(hidden_size=32, num_experts=8, top_k=2, moe_intermediate_size=16,
+                    dtype=torch.float32)
+    layer = MoELayer(cfg, device="meta")
+    with pytest.raises(ValueError, match="needs real tensors, got the meta device"):
+        layer(torch.empty(3, 32, device="meta"))
+    layer.to_empty(device="cpu")
+    for m in layer.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    y = layer(torch.randn(3, 32))
+    assert y.shape == (3, 32) and bool(torch.isfinite(y).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_torch_compile_fullgraph_on_cpu(dynamic, dtype):
