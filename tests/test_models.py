@@ -107,6 +107,56 @@ def test_continuous_batching_refills_slots_and_equals_hf(ckpts, arch):
                      max_batch_size=0)
 
 
+@pytest.mark.parametrize("values_in_keys", [None, 3])
+def test_kv_cache_rows_write_and_read_their_own_sequences(values_in_keys):
+    """KVCache.at(rows): consecutive rows as views, others gathered; each writes only its rows
+    and reads back what it wrote (the keys' first dims as values for the latent cache)."""
+    from moe_runtime.engine.kv_cache import KVCache
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(2, 4, 1, 8, 5, dtype=torch.float32, values_in_keys=values_in_keys)
+    before = [k.clone() for k in cache.k]
+    for rows in ([1, 2], [0, 3], [2]):
+        sub = cache.at(rows)
+        k = torch.randn(len(rows), 1, 3, 5, generator=g)
+        v = None if values_in_keys else torch.randn(len(rows), 1, 3, 5, generator=g)
+        keys, values = sub.write(1, torch.arange(3).expand(len(rows), 3), k, v, 3)
+        torch.testing.assert_close(keys, k)
+        torch.testing.assert_close(values, k[..., :3] if values_in_keys else v)
+        torch.testing.assert_close(cache.k[1][rows, :, :3], k)
+        assert keys.data_ptr() == cache.k[1][rows[0]].data_ptr() or len(rows) > 1 and \
+            rows != list(range(rows[0], rows[0] + len(rows)))  # (consecutive: a view)
+    torch.testing.assert_close(cache.k[0], before[0])  # (layer 0 untouched)
+    torch.testing.assert_close(cache.k[1][:, :, 3:], before[1][:, :, 3:])
+
+
+def test_prefill_places_requests_within_the_moe_token_limit(ckpts):
+    """A rank's MoE topologies may refuse calls above max_tokens_per_rank (dp_nvlink cute):
+    one prefill places waiting prompts up to that many tokens (one at least, even a longer
+    one), and the completions stay HF's."""
+    from moe_runtime.layer import MoELayer
+    d = ckpts["qwen3-moe"]
+    model = load_model(d, Parallel(), progress=False)
+    moe = [l.mlp for l in model.layers if isinstance(l.mlp, MoELayer)]
+    prompts = encode(d, PROMPTS)
+    lens = [len(p) for p in prompts]
+    want = hf_greedy(d, PROMPTS, NEW_TOKENS)
+    seen = []
+    moe[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1]).shape[0]))
+    # limit of prompts 0 and 1: they go together, then 2 alone; limit 1: each alone (longer)
+    for limit, prefills in ((lens[0] + lens[1], [lens[0] + lens[1], lens[2]]), (1, lens)):
+        seen.clear()
+        try:
+            for m in moe:
+                m.topology.max_tokens_per_rank = limit
+            out = run_requests(model, prompts, range(3), SamplingParams(max_new_tokens=NEW_TOKENS),
+                               stop_ids=[])
+        finally:
+            for m in moe:
+                del m.topology.max_tokens_per_rank
+        assert out.token_ids == want
+        assert seen[:len(prefills) + 1] == prefills + [3]  # (then decode steps of all three)
+
+
 def _to_fused(src: str, dst: str) -> None:
     """Rewrite a per-expert checkpoint with transformers' fused in-memory expert layout."""
     spec, a = read_spec(src)

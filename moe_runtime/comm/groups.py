@@ -135,12 +135,15 @@ def group_rank_size(group=None) -> tuple[int, int]:
 
 
 # Polling of an NCCL collective's completion (`_poll`): back-to-back for POLL_SPIN_S, then
-# every POLL_SLEEP_S. torch's own bounded NCCL wait sleeps 1 ms between its polls
+# every POLL_SLEEP_S, and every POLL_SLOW_SLEEP_S once it has waited POLL_SLOW_AFTER_S (a peer
+# busy with a long prefill: a core is not held at 20k wake-ups a second). torch's own bounded NCCL wait sleeps 1 ms between its polls
 # (ProcessGroupNCCL WorkNCCL::wait, kSynchronizeBusyWaitMillis): a decode step of the engine's
 # small bf16 model under tp on 2 H200s, a few such waits per layer, took 27 ms against 1.1 ms
 # for the same model on one GPU.
 POLL_SPIN_S = 2e-3
 POLL_SLEEP_S = 5e-5
+POLL_SLOW_AFTER_S = 0.1
+POLL_SLOW_SLEEP_S = 1e-3
 
 
 def _poll(work, timeout_s: float) -> float:
@@ -153,7 +156,7 @@ def _poll(work, timeout_s: float) -> float:
     now = start
     while not work.is_completed() and now < deadline:
         if now - start > POLL_SPIN_S:
-            time.sleep(POLL_SLEEP_S)
+            time.sleep(POLL_SLEEP_S if now - start < POLL_SLOW_AFTER_S else POLL_SLOW_SLEEP_S)
         now = time.monotonic()
     return max(deadline - now, 1e-3)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 import torch
 
@@ -32,14 +33,20 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values_in_keys = values_in_keys
         self.max_len = max_len
-        self.rows: torch.Tensor | None = None
+        self.rows: slice | torch.Tensor | None = None
 
-    def at(self, rows: torch.Tensor) -> "KVCache":
-        """The sequences `rows` (int64 [R] on the cache's device, distinct) of this cache as a
-        cache of R sequences sharing its storage: what a prefill of the requests just placed in
-        those slots writes and reads (scheduler.run_requests)."""
+    def at(self, rows: Sequence[int]) -> "KVCache":
+        """The sequences `rows` (distinct indices) of this cache as a cache of len(rows)
+        sequences sharing its storage: what a prefill of the requests just placed in those
+        slots writes and reads (scheduler.run_requests). Consecutive rows are read as views,
+        others gathered (a copy of the prefix read)."""
+        rows = list(rows)
+        start = rows[0] if rows else 0
         view = copy.copy(self)
-        view.rows = rows
+        if rows == list(range(start, start + len(rows))):
+            view.rows = slice(start, start + len(rows))
+        else:
+            view.rows = torch.tensor(rows, dtype=torch.int64, device=self.k[0].device)
         return view
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -56,21 +63,25 @@ class KVCache:
 
         Returns:
             (keys, values) [B, kv_heads, S, head_dim] (values: [..., values_in_keys], a view of
-            the keys); views of the storage, or copies of the rows of a cache made by `at`.
+            the keys); views of the storage, or copies of non-consecutive rows (`at`).
 
         Raises:
             ValueError: a length past max_len.
         """
         if length > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked for {length}")
-        rows = self.rows
-        b = (torch.arange(positions.shape[0], device=positions.device) if rows is None
-             else rows)[:, None].expand_as(positions)
+        rows = slice(None) if self.rows is None else self.rows
+        if isinstance(rows, slice):
+            first = rows.start or 0
+            b = torch.arange(first, first + positions.shape[0], device=positions.device)
+        else:
+            b = rows
+        b = b[:, None].expand_as(positions)
         kc = self.k[layer]
         kc[b, :, positions] = k.transpose(1, 2).to(kc.dtype)
-        keys = kc[:, :, :length] if rows is None else kc[rows, :, :length]
+        keys = kc[rows, :, :length]
         if self.v is None:
             return keys, keys[..., :self.values_in_keys]
         vc = self.v[layer]
         vc[b, :, positions] = v.transpose(1, 2).to(vc.dtype)
-        return keys, vc[:, :, :length] if rows is None else vc[rows, :, :length]
+        return keys, vc[rows, :, :length]

@@ -1,6 +1,7 @@
 """Request placement across ranks and the lockstep prefill/decode loop every rank runs."""
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -123,7 +124,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         stop_ids: token ids that finish a request.
         max_batch_size: slots of the KV cache (sequences decoded together); None: one per
             request. The cache holds max_batch_size x (longest prompt + max_new_tokens)
-            positions.
+            positions. One prefill places at most `moe_tokens_per_call` prompt tokens (one
+            request at least).
         fail_at_step: testing aid: raise RuntimeError at this decode step (fault tests).
         on_step: called with the number of forward passes done (prefills and decode steps):
             the rank's progress (RankWorker.progress).
@@ -134,7 +136,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
 
     Returns:
         RankOutput in the order of `prompts`; finish_reasons "stop" (a stop token) or
-        "length" (max_new_tokens). prefill_s: the prefill forwards; decode_s: the rest.
+        "length" (max_new_tokens). prefill_s / decode_s: the wall time of the iterations
+        that ran a prefill / a decode step (each with its agreement and sampling).
 
     Raises:
         ValueError: an empty prompt, or max_batch_size < 1. CollectiveError: a peer failed or
@@ -178,26 +181,32 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         if on_step is not None:
             on_step(forwards)
 
-    _sync(dev)
-    start = time.perf_counter()
-    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, slots, params.max_new_tokens - 1,
+    limit = moe_tokens_per_call(model)
+    rounds = -(-n // max(slots, 1))  # (every request running to its length)
+    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, slots,
+                                                    rounds * (params.max_new_tokens - 1),
                                                     cuda_graphs)
+    _sync(dev)
     while True:
-        placed = [b for b in range(slots) if owner[b] < 0][:len(waiting)]
-        for b in placed:
-            owner[b] = waiting.popleft()
+        t0 = time.perf_counter()
+        placed, budget = [], limit
+        for b in range(slots):  # the next waiting requests, in free slots, within the MoE limit
+            if not waiting or (placed and len(prompts[waiting[0]]) > budget):
+                break
+            if owner[b] < 0:
+                owner[b] = waiting.popleft()
+                placed.append(b)
+                budget -= len(prompts[owner[b]])
         generating = [b for b in range(slots) if owner[b] >= 0 and b not in placed]
         any_placed, any_generating = _agree([len(placed), len(generating)], model.parallel, dev)
         if any_placed:
-            _sync(dev)
-            t0 = time.perf_counter()
             logits = _prefill(model, cache, [prompts[owner[b]] for b in placed], placed)
-            _sync(dev)
-            out.prefill_s += time.perf_counter() - t0
             lengths[placed] = torch.tensor([len(prompts[owner[b]]) for b in placed],
                                            dtype=torch.int64)
             counted()
             take(placed, logits)
+            _sync(dev)
+            out.prefill_s += time.perf_counter() - t0
             continue
         if not any_generating:
             break
@@ -209,10 +218,17 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         out.steps += 1
         counted()
         take(generating, logits[torch.tensor(generating, dtype=torch.int64, device=logits.device)])
-    _sync(dev)
-    out.decode_s = time.perf_counter() - start - out.prefill_s
+        out.decode_s += time.perf_counter() - t0
     out.decode_tokens = sum(max(len(t) - 1, 0) for t in out.token_ids)
     return out
+
+
+def moe_tokens_per_call(model) -> float:
+    """The most tokens one MoE call of this rank may take: the smallest `max_tokens_per_rank`
+    of the model's MoE topologies that have peer buffers (a dp_nvlink cute topology refuses a
+    call above it), else unbounded. A prefill places requests within it (at least one)."""
+    return min((getattr(layer.mlp.topology, "max_tokens_per_rank", math.inf)
+                for layer in model.layers if hasattr(layer.mlp, "topology")), default=math.inf)
 
 
 def _prefill(model, cache, prompts: Sequence[Sequence[int]], rows: list[int]) -> torch.Tensor:
@@ -228,7 +244,7 @@ def _prefill(model, cache, prompts: Sequence[Sequence[int]], rows: list[int]) ->
     positions = torch.arange(L).expand(len(prompts), L).contiguous()
     valid = positions < lens[:, None]
     return model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev),
-                 cache.at(torch.tensor(rows, dtype=torch.int64, device=dev)), prefill=True)
+                 cache.at(rows), prefill=True)
 
 def warm_up(model) -> float:
     """Pay the costs of a model's first forward passes before the first request: compiling the
@@ -242,9 +258,8 @@ def warm_up(model) -> float:
     Returns:
         The seconds it took.
     """
-    limits = [getattr(layer.mlp.topology, "max_tokens_per_rank", WARM_UP_TOKENS)
-              for layer in model.layers if hasattr(layer.mlp, "topology")]
-    tokens = max(1, min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2, *limits))
+    tokens = max(1, int(min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2,
+                            moe_tokens_per_call(model))))
     t0 = time.perf_counter()
     run_requests(model, [[0] * tokens], [0], SamplingParams(max_new_tokens=2), stop_ids=(),
                  cuda_graphs=False)

@@ -25,6 +25,7 @@ Presets:
 """
 from __future__ import annotations
 
+import operator
 import os
 import re
 import shutil
@@ -270,7 +271,11 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     check_arch_preset(arch, preset)
     if max_shard_size is not None:
         max_shard_size = parse_shard_size(max_shard_size)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+    try:
+        ok = not isinstance(seed, bool) and 0 <= operator.index(seed) < 2 ** 63
+    except TypeError:  # (operator.index: ints and integer types such as numpy's)
+        ok = False
+    if not ok:
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
     if not out_dir:
         raise ValueError("out_dir must be a directory path, got an empty one")
