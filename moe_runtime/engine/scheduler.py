@@ -246,6 +246,7 @@ def _prefill(model, cache, prompts: Sequence[Sequence[int]], rows: list[int]) ->
     return model(ids.to(dev), positions.to(dev), valid.to(dev), (lens - 1).clamp(min=0).to(dev),
                  cache.at(rows), prefill=True)
 
+
 def warm_up(model) -> float:
     """Pay the costs of a model's first forward passes before the first request: compiling the
     CuTeDSL and quack kernels of its MoE layers (a few tenths of a second each, once per
