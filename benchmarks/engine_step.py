@@ -136,7 +136,7 @@ def run_model(name: str, bw: float) -> list[dict]:
         graph = None
         cache = None
         torch.cuda.empty_cache()
-    del model
+    model = None  # (its memory goes back before the next model is built)
     torch.cuda.empty_cache()
     return rows
 

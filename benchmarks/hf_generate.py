@@ -30,14 +30,13 @@ import torch
 from moe_runtime import MoELayer, swap_moe_layers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from engine_step import MODELS as ENGINE_MODELS  # noqa: E402
 from local_dispatch_combine import require_cuda  # noqa: E402
 
-# name -> (transformers config class, config kwargs: a released model's per-layer sizes)
+# name -> (transformers config class, config kwargs: a released model's per-layer sizes; the
+# layer count is --layers)
 MODELS = {
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
-        hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960)),
+    "qwen3-30b-a3b": ENGINE_MODELS["qwen3-30b-a3b"][1:3],
     "mixtral": ("MixtralConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
@@ -50,8 +49,8 @@ def hf_model(name: str, layers: int) -> torch.nn.Module:
     random weights (normal, std 0.02 as HF's initializer_range; norms at 1)."""
     import transformers
     cfg_name, kw = MODELS[name]
-    cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers, experts_implementation="grouped_mm",
-                                          **kw)
+    cfg = getattr(transformers, cfg_name)(**{**kw, "num_hidden_layers": layers},
+                                          experts_implementation="grouped_mm")
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -237,12 +237,21 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
         raise UsageError(str(e)) from None
 
 
-def run_generate(model_dir: str, prompts: Sequence[str], args) -> int:
-    """Check the inputs, start the engine, generate, print; always shut down (Ctrl-C included)."""
+def run_generate(model_dir: str, prompts: Sequence[str], args,
+                 damaged_hint: Optional[str] = None) -> int:
+    """Check the inputs, start the engine, generate, print; always shut down (Ctrl-C included).
+    damaged_hint: appended to an unreadable checkpoint's error (not to usage errors)."""
     from .engine import Engine, SamplingParams
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    check_generate_inputs(model_dir, prompts, args)  # before Ray starts
+    try:
+        check_generate_inputs(model_dir, prompts, args)  # before Ray starts
+    except UsageError:
+        raise
+    except (ValueError, OSError) as e:
+        if damaged_hint is None:
+            raise
+        raise ValueError(f"{e} ({damaged_hint})") from None
     ignored = [f for f, on in (("--top-k", args.top_k is not None), ("--top-p", args.top_p != 1.0),
                                ("--seed", args.seed != 0)) if on]
     if ignored and args.temperature == 0:
@@ -310,14 +319,9 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
         from .models.make_checkpoint import cached_checkpoint
         path = cached_checkpoint("qwen3-moe", "tiny")
         print(f"demo checkpoint: {path}", flush=True)
-        try:
-            check_generate_inputs(path, list(DEMO_PROMPTS), args)
-        except UsageError:
-            raise
-        except (ValueError, OSError) as e:  # (a cached copy damaged since it was made)
-            raise ValueError(f"{e} (the demo's cached checkpoint {path} may be damaged: delete "
-                             "that directory and the demo makes it again)") from None
-        return run_generate(path, list(DEMO_PROMPTS), args)
+        return run_generate(path, list(DEMO_PROMPTS), args, damaged_hint=(  # (changed since made)
+            f"the demo's cached checkpoint {path} may be damaged: delete that directory and "
+            "the demo makes it again"))
     except KeyboardInterrupt:
         return 130
     except UsageError as e:

@@ -9,9 +9,9 @@ The directory and its files get the modes a plain mkdir / open would give (0777 
 process umask, typically 0755 / 0644), so Ray workers on other nodes can read a shared copy.
 
 Architectures: qwen3-moe, qwen2-moe (a gated shared expert), olmoe (q/k norms over all heads),
-mixtral, glm4-moe (GLM-4.5's
-structure), dots1 (dots.llm1's), deepseek-v3 (DeepSeek-V3's: MLA); the routers' correction biases
-of the last three get random values, as a trained checkpoint's are nonzero.
+mixtral, glm4-moe (GLM-4.5's structure), dots1 (dots.llm1's), deepseek-v3 (DeepSeek-V3's: MLA);
+the routers' correction biases of the last three get random values, as a trained checkpoint's
+are nonzero.
 
 Presets:
     tiny            a few hundred KB; the CI numerics tests and `moe-runtime demo` use it.

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MoEConfig
-from .qwen3_moe import dense_layers
+from .qwen3_moe import dense_layers, softmax_moe_config
 from .spec import Architecture, ModelSpec, common_spec_fields, layer_types_window
 
 
@@ -24,13 +23,8 @@ def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     """
     window = layer_types_window(cfg)
     shared = int(cfg.shared_expert_intermediate_size or 0)
-    E = cfg.num_experts  # (0: every layer dense; the MoE config is then unused)
-    moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
-                    top_k=cfg.num_experts_per_tok if E > 0 else 1,
-                    moe_intermediate_size=cfg.moe_intermediate_size,
-                    scoring="softmax", norm_topk_prob=bool(cfg.norm_topk_prob),
-                    shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
-                    dtype=dtype)
+    moe = softmax_moe_config(cfg, dtype, shared_expert_intermediate_size=shared,
+                             shared_expert_gate=shared > 0)
     fields = common_spec_fields(cfg, dtype)
     return ModelSpec(qk_norm=False, moe=moe, dense_layers=dense_layers(cfg),
                      dense_intermediate_size=cfg.intermediate_size,

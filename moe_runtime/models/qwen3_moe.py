@@ -17,15 +17,21 @@ def dense_layers(cfg) -> tuple[int, ...]:
     return tuple(i for i in range(L) if i in only or not (E > 0 and (i + 1) % step == 0))
 
 
+def softmax_moe_config(cfg, dtype: torch.dtype, **shared_expert) -> MoEConfig:
+    """The MoEConfig of a Qwen2/Qwen3-MoE config: softmax top-k over `num_experts`, k
+    `num_experts_per_tok`, I `moe_intermediate_size`, renormalized with `norm_topk_prob`;
+    `shared_expert`: MoEConfig's shared-expert fields. With num_experts 0 every layer is dense
+    and the config (1 expert, k 1) is unused."""
+    E = cfg.num_experts
+    return MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
+                     top_k=cfg.num_experts_per_tok if E > 0 else 1,
+                     moe_intermediate_size=cfg.moe_intermediate_size, scoring="softmax",
+                     norm_topk_prob=bool(cfg.norm_topk_prob), dtype=dtype, **shared_expert)
+
+
 def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
-    """ModelSpec of a transformers Qwen3MoeConfig (experts: `num_experts`, k:
-    `num_experts_per_tok`, I: `moe_intermediate_size`)."""
-    E = cfg.num_experts  # (0: every layer dense; the MoE config is then unused)
-    moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=max(E, 1),
-                    top_k=cfg.num_experts_per_tok if E > 0 else 1,
-                    moe_intermediate_size=cfg.moe_intermediate_size,
-                    scoring="softmax", norm_topk_prob=bool(cfg.norm_topk_prob), dtype=dtype)
-    return ModelSpec(qk_norm=True, moe=moe, dense_layers=dense_layers(cfg),
+    """ModelSpec of a transformers Qwen3MoeConfig (the MoE: `softmax_moe_config`)."""
+    return ModelSpec(qk_norm=True, moe=softmax_moe_config(cfg, dtype), dense_layers=dense_layers(cfg),
                      dense_intermediate_size=cfg.intermediate_size, **common_spec_fields(cfg, dtype))
 
 

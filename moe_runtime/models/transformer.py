@@ -208,9 +208,9 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     over B * kv_heads; scores and softmax in fp32 (bf16 scores were 6-23x less accurate than
     SDPA's), the probabilities in the values' dtype for the second bmm, as HF's eager
     attention. 16-bit queries and keys on CUDA go into the first bmm as they are, with fp32
-    output (`_fp32_scores`), instead of as an fp32 copy of the keys. q [B, heads, L, Dk], keys [B, kv_heads, S, Dk], values [B, kv_heads, S, Dv],
-    mask bool [B, 1, L, S] (True = attend; every row attends somewhere) or None (causal, L =
-    S) -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks
+    output (`_fp32_scores`), instead of as an fp32 copy of the keys. q [B, heads, L, Dk], keys
+    [B, kv_heads, S, Dk], values [B, kv_heads, S, Dv], mask bool [B, 1, L, S] (True = attend;
+    every row attends somewhere) or None (causal, L = S) -> [B, heads, L, Dv]. The scores are materialized, so the query positions go in chunks
     of about SCORES_PER_CHUNK scores (one position at least; a long MLA prefill would
     otherwise hold B * heads * L * S of them, e.g. 128 heads at L = S = 8192: 8.6 G)."""
     B, h, L, Dk = q.shape
