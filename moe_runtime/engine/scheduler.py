@@ -55,12 +55,13 @@ def _sync(device: torch.device) -> None:
 def _agree(flags: Sequence[int], parallel, device: torch.device) -> list[int]:
     """Under dp_* with several ranks: each flag summed over the ranks (one all-reduce on
     `device`: nccl reduces only CUDA tensors), so that every rank takes the same branch and
-    runs the same forward passes; otherwise the flags themselves."""
+    runs the same forward passes; otherwise the flags themselves (no device round trip)."""
+    if not (parallel.data_parallel and parallel.world_size > 1):
+        return list(flags)
+    from ..comm import all_reduce_sum
     t = torch.tensor(list(flags), dtype=torch.int64, device=device)
-    if parallel.data_parallel and parallel.world_size > 1:
-        from ..comm import all_reduce_sum
-        all_reduce_sum(t, group=parallel.group, step="scheduler: requests to place or decode",
-                       timeout_s=parallel.timeout_s)
+    all_reduce_sum(t, group=parallel.group, step="scheduler: requests to place or decode",
+                   timeout_s=parallel.timeout_s)
     return t.tolist()
 
 
@@ -217,7 +218,9 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         lengths += active.to(torch.int64)
         out.steps += 1
         counted()
-        take(generating, logits[torch.tensor(generating, dtype=torch.int64, device=logits.device)])
+        if len(generating) < slots:  # (every slot generating: the logits as they are)
+            logits = logits[torch.tensor(generating, dtype=torch.int64, device=logits.device)]
+        take(generating, logits)
         out.decode_s += time.perf_counter() - t0
     out.decode_tokens = sum(max(len(t) - 1, 0) for t in out.token_ids)
     return out
