@@ -178,11 +178,29 @@ class MoELayer(nn.Module):
         device = torch.device(device if device is not None else self.router.weight.device)
         if device.type == "cpu":
             return True
-        if device.type != "cuda" or self.topology.name != "local":
+        return (device.type == "cuda" and self.topology.name == "local"
+                and resolve_backend(self.topology.backend, device) == "cute"
+                and self._kernels_sync_free(device))
+
+    def graph_capturable(self, device=None) -> bool:
+        """Whether a CUDA graph on `device` (default: the router weight's) can capture forward
+        as part of a step that every rank of the topology captures and replays together (the
+        engine's decode step, engine/decode_graph.py): `host_sync_free` on CUDA, or a topology
+        whose collectives a capture records (Topology.records_collectives: `tp` on the
+        reference backend over NCCL, as Ray actors that see one GPU each settle on) with
+        routing and experts as `host_sync_free` asks. The replay's completion is then bounded
+        by its caller (comm.wait_stream_bounded), not by the collectives themselves.
+        """
+        device = torch.device(device if device is not None else self.router.weight.device)
+        if device.type != "cuda":
             return False
-        backends = {resolve_backend(b, device) for b in (self.router.backend, self.topology.backend)}
+        return self.host_sync_free(device) or (self.topology.records_collectives()
+                                               and self._kernels_sync_free(device))
+
+    def _kernels_sync_free(self, device: torch.device) -> bool:
+        """Routing on the cute kernels and sync-free expert GEMMs on CUDA `device`."""
         dtype = self._common_dtype()
-        return (backends == {"cute"} and dtype is not None
+        return (resolve_backend(self.router.backend, device) == "cute" and dtype is not None
                 and self.experts.host_sync_free(device, dtype))
 
     def enable_cuda_graphs(self, buckets: Sequence[int] = DEFAULT_BUCKETS, *, capture: bool = False,

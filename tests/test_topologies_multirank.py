@@ -734,6 +734,115 @@ def test_nccl_waits_poll_completion_themselves(monkeypatch, backend):
         assert 0.05 <= time.monotonic() - t0 < 1.0 and stalled.waits == [0.001]
 
 
+class _RecordedWork:
+    """An async work as a CUDA graph capture sees it: waiting orders the stream (no timeout);
+    a completion query would be an illegal call while capturing."""
+
+    def __init__(self):
+        self.waits = []
+
+    def is_completed(self):
+        raise AssertionError("polled inside a capture")
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+
+
+def test_collectives_inside_a_capture_are_recorded_not_polled(monkeypatch):
+    """Inside a CUDA graph capture (the engine's tp decode step) a bounded NCCL collective
+    orders the capturing stream and returns: its completion is bounded at the replay."""
+    from moe_runtime.comm import groups
+    monkeypatch.setattr(groups.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(groups, "stream_capturing", lambda: True)
+    work = _RecordedWork()
+    groups._bounded("layer 0 attention o_proj all_reduce", None, 2.0, lambda: work)
+    assert work.waits == [None]
+
+
+class _FakeEvent:
+    """torch.cuda.Event stand-in: done after `polls` queries (None: never)."""
+    made = []
+
+    def __init__(self, polls):
+        self.polls, self.recorded = polls, None
+        _FakeEvent.made.append(self)
+
+    def record(self, stream):
+        self.recorded = stream
+
+    def query(self):
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+
+@pytest.mark.parametrize("polls", [3, None])
+def test_a_replayed_graph_is_waited_for_within_the_bound(monkeypatch, polls):
+    """wait_stream_bounded (after each multi-rank decode graph replay) polls an event recorded
+    on the current stream; a replay that does not complete (a peer stalled or did not replay)
+    raises CollectiveError naming the rank and the step within the bound, not a hang."""
+    from moe_runtime.comm import groups
+    _FakeEvent.made.clear()
+    monkeypatch.setattr(groups.torch.cuda, "Event", lambda: _FakeEvent(polls))
+    monkeypatch.setattr(groups.torch.cuda, "current_stream", lambda device=None: ("stream", device))
+    monkeypatch.setattr(groups, "group_rank_size", lambda group=None: (1, 2))
+    t0 = time.monotonic()
+    if polls is not None:
+        groups.wait_stream_bounded("decode step", timeout_s=5.0, device="cuda:1")
+        assert _FakeEvent.made[0].polls < 0 and time.monotonic() - t0 < 1.0
+    else:
+        with pytest.raises(CollectiveError, match=r"rank 1/2: 'decode step' did not complete "
+                                                  r"within 0.05s"):
+            groups.wait_stream_bounded("decode step", timeout_s=0.05, device="cuda:1")
+        assert 0.05 <= time.monotonic() - t0 < 1.0
+    assert _FakeEvent.made[0].recorded == ("stream", "cuda:1")
+
+
+def w_tp_capture(rank, world, backend_of_group):
+    """tp (reference) in a pretended capture: the combine skips the token check (one
+    collective, not two) and gives the same y; records_collectives per backend and group."""
+    import torch.distributed as dist
+
+    from moe_runtime.topologies import tp as tp_module
+    from moe_runtime.comm import groups
+    calls = []
+    real = groups._bounded
+    groups._bounded = lambda step, *a: (calls.append(step), real(step, *a))[1]
+    try:
+        topo = make_topology("tp", E, backend="reference", timeout_s=10)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        ids = torch.tensor([[0, 5], [1, 2], [7, 6], [3, 4]], dtype=torch.int32)
+        w = torch.rand(4, 2, generator=torch.Generator().manual_seed(1))
+        ys = []
+        for capturing in (False, True):
+            tp_module.stream_capturing = lambda: capturing
+            res = topo.dispatch(x, ids, w)
+            del calls[:]
+            ys.append(topo.combine(res.expert_x * 2, res))
+            ys.append(len(calls))
+    finally:
+        groups._bounded = real
+        tp_module.stream_capturing = groups.stream_capturing
+    real_backend = dist.get_backend
+    dist.get_backend = lambda group=None: backend_of_group
+    try:
+        capturable = [make_topology("tp", E, backend=b, timeout_s=10).records_collectives()
+                      for b in ("reference", "auto")]  # (cute needs CUDA)
+    finally:
+        dist.get_backend = real_backend
+    return ys, capturable
+
+
+@pytest.mark.parametrize("backend_of_group", ["nccl", "gloo"])
+def test_tp_in_a_capture_records_its_all_reduce_only(pools, backend_of_group):
+    for y, n_eager, y_captured, n_captured, capturable in (
+            (*ys, c) for ys, c in pools(2).run(w_tp_capture, backend_of_group, timeout_s=60)):
+        assert (n_eager, n_captured) == (2, 1)  # the token check, then the all-reduce
+        torch.testing.assert_close(y_captured, y, rtol=0, atol=0)
+        assert capturable == [backend_of_group == "nccl", False]  # (auto: not settled yet)
+
+
 def test_timeout_s_validated(monkeypatch):
     """0 (or under 1 ms) would be c10d's "no timeout"; NaN / inf / not a number are refused
     too, before anything is started (also in a process without torch.distributed)."""

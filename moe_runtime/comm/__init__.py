@@ -6,10 +6,10 @@ NVSHMEM (dp_p2p) buffers are not built yet.
 """
 from .groups import (DEFAULT_TIMEOUT_S, CollectiveError, all_gather_object, all_reduce_sum,
                      all_to_all_single, default_backend, default_timeout_s, group_rank_size,
-                     init_process_group, new_group)
+                     init_process_group, new_group, stream_capturing, wait_stream_bounded)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "CollectiveError", "all_gather_object", "all_reduce_sum",
     "all_to_all_single", "default_backend", "default_timeout_s", "group_rank_size",
-    "init_process_group", "new_group",
+    "init_process_group", "new_group", "stream_capturing", "wait_stream_bounded",
 ]

@@ -9,6 +9,11 @@ the wait only orders the current stream (a blocking NCCL wait polls with 1 ms sl
 NCCL's watchdog aborts a stalled collective at the group timeout. After such an error the
 group's state is undefined (gloo closes the pairs): build a new group before using it again.
 
+Inside a CUDA graph capture (NCCL; e.g. the engine's decode step under tp,
+engine/decode_graph.py) a collective is only recorded: `_bounded` orders the capturing stream
+after it and returns, and whoever replays the graph bounds the replay's completion
+(`wait_stream_bounded`).
+
 `group=None` means the default group; when torch.distributed is not initialized it means a
 world of one rank (this process): the collectives below are then local copies, so a
 multi-rank topology also runs in a plain single process.
@@ -22,7 +27,7 @@ import datetime
 import math
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -146,19 +151,46 @@ POLL_SLOW_AFTER_S = 0.1
 POLL_SLOW_SLEEP_S = 1e-3
 
 
-def _poll(work, timeout_s: float) -> float:
-    """Wait for `work` (an NCCL collective) by polling work.is_completed() (a CUDA event
-    query) for at most timeout_s; returns the time left (at least 1 ms), for the bounded
-    work.wait that follows: at once when the work completed (raising its error, if any),
-    else torch's own timeout path (which aborts the communicator)."""
+def _poll(done: Callable[[], bool], timeout_s: float) -> float:
+    """Wait until done() (e.g. an NCCL work's is_completed(), a CUDA event query) by polling it
+    for at most timeout_s; returns the time left (at least 1 ms), for the bounded wait that
+    follows: at once when it completed, else the caller's timeout path."""
     start = time.monotonic()
     deadline = start + timeout_s
     now = start
-    while not work.is_completed() and now < deadline:
+    while not done() and now < deadline:
         if now - start > POLL_SPIN_S:
             time.sleep(POLL_SLEEP_S if now - start < POLL_SLOW_AFTER_S else POLL_SLOW_SLEEP_S)
         now = time.monotonic()
     return max(deadline - now, 1e-3)
+
+
+def wait_stream_bounded(step: str, group=None, timeout_s: Optional[float] = None,
+                        device: Optional[torch.device] = None) -> None:
+    """Wait, from the host, until the work queued so far on `device`'s current stream is done,
+    for at most timeout_s (None: default_timeout_s()): the bound of a replayed CUDA graph
+    whose collectives were recorded in a capture (module docstring), where neither this
+    module's waits nor NCCL's watchdog see them.
+
+    Raises:
+        CollectiveError: not done in time (a peer may have stalled, died or not replayed the
+            same graph), naming this rank and `step`; the stream's work stays queued (the
+            group and this device are then unusable: tear the process down).
+    """
+    timeout_s = default_timeout_s() if timeout_s is None else check_timeout_s(timeout_s)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    _poll(done.query, timeout_s)
+    if not done.query():
+        rank, world = group_rank_size(group)
+        raise CollectiveError(f"rank {rank}/{world}: '{step}' did not complete within "
+                              f"{timeout_s:g}s (a peer may have stalled, died or not replayed "
+                              "the same graph)")
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (module docstring)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _bounded(step: str, group, timeout_s: Optional[float], start) -> None:
@@ -168,11 +200,11 @@ def _bounded(step: str, group, timeout_s: Optional[float], start) -> None:
     what = "the group timeout" if timeout_s is None else f"{timeout_s}s"
     try:
         work = start()
-        if timeout_s is None:
-            work.wait()
+        if timeout_s is None or stream_capturing():
+            work.wait()  # (NCCL: orders the current stream only; in a capture, the recording)
         else:
             if dist.get_backend(group) == "nccl":
-                timeout_s = _poll(work, timeout_s)
+                timeout_s = _poll(work.is_completed, timeout_s)
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # gloo/nccl raise RuntimeError subclasses with backend text
         rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -1,4 +1,5 @@
-"""CUDA-graph replay of the engine's decode steps, for a model on one GPU (`local` topology).
+"""CUDA-graph replay of the engine's decode steps: a model on one GPU (`local` topology), or a
+`tp` rank whose collectives are NCCL all-reduces (the reference backend).
 
 An eager decode step launches several hundred small kernels (attention, norms, RoPE, and the
 MoE layers' routing, dispatch, experts and combine in every layer), so the host sets its pace,
@@ -11,22 +12,33 @@ The captured step has fixed shapes and never reads the device from the host
 positions, the power-of-two bucket of the longest sequence's (the causal mask hides those past
 each sequence's position; a new bucket is captured when the sequences outgrow it), and every
 sequence goes through the MoE layers, finished ones too (their logits are not used and their
-cache slot is past anything read). Multi-rank topologies stay eager: their collectives check
-errors and peers from the host.
+cache slot is past anything read).
+
+Under `tp` over NCCL (Ray actors that see one GPU each settle there) every rank captures and
+replays the same step: the attention's and the MoE combine's all-reduces are recorded in the
+graph (comm.groups: no host wait inside a capture; the combine's check of the peers' tokens is
+made by the eager run before each capture), and each replay is followed by a bounded wait for
+its completion (comm.wait_stream_bounded: a peer that stalls or does not replay raises
+CollectiveError naming this rank and the step; NCCL's watchdog does not see recorded
+collectives). The other multi-rank topologies stay eager: `dp_*` exchange counts that the
+host reads, and the cute `tp` backend reads its kernels' error words after every combine.
 """
 from __future__ import annotations
 
 import torch
 
+from ..comm import wait_stream_bounded
 from ..layer import MoELayer
 
 
 def graphs_apply(model) -> bool:
     """Whether `model` (a MoECausalLM) can replay its decode steps from a CUDA graph: on a
-    CUDA device, one rank, and every MoE layer's forward free of host synchronization
-    (MoELayer.host_sync_free: the cute backend, 16-bit experts)."""
-    return (model.device.type == "cuda" and model.parallel.world_size == 1
-            and all(layer.mlp.host_sync_free() for layer in model.layers
+    CUDA device, one rank or `tp`, and every MoE layer capturable (MoELayer.graph_capturable:
+    on one rank the cute kernels and 16-bit experts; under tp the same routing and experts
+    with the reference backend's NCCL all-reduce)."""
+    p = model.parallel
+    return (model.device.type == "cuda" and (p.world_size == 1 or p.tensor_parallel)
+            and all(layer.mlp.graph_capturable() for layer in model.layers
                     if isinstance(layer.mlp, MoELayer)))
 
 
@@ -53,6 +65,7 @@ class DecodeGraph:
         self.ids = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self.last = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.ranks = model.parallel.world_size
         self.kv_len = 0  # the bucket of the current graph (0: none yet)
         self.graph = None
         self.logits = None
@@ -77,6 +90,11 @@ class DecodeGraph:
         Returns:
             fp32 logits [B, vocab_size]: the graph's output buffer, overwritten by the next
             call (read it first).
+
+        Raises:
+            RuntimeError: the capture failed.
+            CollectiveError: (several ranks) the replay did not complete within the
+                collectives' timeout (module docstring).
         """
         self.ids.copy_(tokens.view(-1, 1))
         self.positions.copy_(positions.view(-1, 1))
@@ -93,8 +111,10 @@ class DecodeGraph:
                 self._step()
             torch.cuda.current_stream(self.ids.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            # (ranks: NCCL's watchdog thread queries events while this thread captures)
+            mode = "thread_local" if self.ranks > 1 else "global"
             try:
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, capture_error_mode=mode):
                     self.logits = self._step()
             except Exception as e:
                 raise RuntimeError(f"capturing the decode step in a CUDA graph failed ({e}); "
@@ -102,4 +122,9 @@ class DecodeGraph:
                                    "`moe-runtime generate --eager`") from e
             self.graph = graph
         self.graph.replay()
+        if self.ranks > 1:
+            p = self.model.parallel
+            wait_stream_bounded(f"decode step (CUDA graph replay over {self.kv_len} cached "
+                                "positions)", group=p.group, timeout_s=p.timeout_s,
+                                device=self.ids.device)
         return self.logits

@@ -131,7 +131,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         on_step: called with the number of forward passes done (prefills and decode steps):
             the rank's progress (RankWorker.progress).
         cuda_graphs: replay the decode steps from CUDA graphs where the model allows it
-            (decode_graph.graphs_apply: one rank on CUDA, MoE layers free of host syncs) and
+            (decode_graph.graphs_apply: one rank or tp over NCCL on CUDA, MoE layers whose
+            forward a capture can record) and
             there are GRAPH_MIN_STEPS of them or more; RankOutput.extra["cuda_graphs"] says
             whether it did.
 

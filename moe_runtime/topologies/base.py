@@ -171,6 +171,13 @@ class Topology(abc.ABC):
         self._layers = n + 1
         return n
 
+    def records_collectives(self) -> bool:
+        """Whether a CUDA graph capture can record this topology's calls with their
+        collectives: no host read in them (checks that read peers' answers are skipped while
+        capturing), every rank capturing and replaying the same calls. False here; `tp` on
+        its reference backend over NCCL says True."""
+        return False
+
     def _before_dispatch(self, device: torch.device) -> None:
         """After validation, before `_dispatch` (multi-rank: GroupTopology)."""
 

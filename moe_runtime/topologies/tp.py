@@ -19,6 +19,10 @@ Backend "cute" (CUDA, bf16/fp16; PeerBufferTopology: buffers made by the first C
               sites (out of step: ValueError on every rank) and T (PeerDataError) with its
               own. Then the error words are read (one host sync per combine). No launch at
               T = 0.
+Inside a CUDA graph capture (reference backend over NCCL: `records_collectives`), the
+combine skips the (T, H, k, dtype, site) check, which reads the peers' answers on the host,
+and its all-reduce is recorded (comm.groups): the engine's decode graph captures a step that
+it first ran eagerly, checks included, and bounds every replay (engine/decode_graph.py).
 The cute result is bit-identical on every rank; it differs from the reference only by the
 rounding of each rank's partial sum to x.dtype before the fp32 sum. NVLS (multicast) is never
 used here.
@@ -26,8 +30,9 @@ used here.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ..comm import all_reduce_sum
+from ..comm import all_reduce_sum, stream_capturing
 from ..kernels import get_ops, reference
 from .base import DispatchResult
 from .distributed import (_DTYPE_CODES, _DTYPES, HEADER_KINDS, PeerBufferTopology,
@@ -58,6 +63,14 @@ class TPTopology(PeerBufferTopology):
     all_to_all = False  # the cute backend needs the all-reduce buffers only
     auto_fallback_over_limit = True  # every rank holds the same tokens: same path everywhere
 
+    def records_collectives(self) -> bool:
+        """The reference backend over NCCL (settled: "auto" stays unsettled until the first
+        CUDA call): a capture records its all-reduce and skips the token check that reads the
+        peers' answers (the capture's eager run made it). The cute backend reads its kernels'
+        error words after every combine, so it does not."""
+        return (self.world_size > 1 and self.backend == "reference"
+                and dist.get_backend(self.group) == "nccl")
+
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
         bufs = self._peer_buffers(x, topk_ids)
         ops = get_ops("reference" if bufs is None else "cute")
@@ -80,7 +93,8 @@ class TPTopology(PeerBufferTopology):
                 sites=sites, **self._kernel_bounds()))[0]
         partial = reference.combine(expert_y.float(), h["token_slot"], h["topk_weights"])
         h["settled"] = True
-        self._check_same_tokens(expert_y, h)
+        if not stream_capturing():  # (a capture records the step its eager run checked)
+            self._check_same_tokens(expert_y, h)
         all_reduce_sum(partial, group=self.group, step=self._step("combine all_reduce"),
                        timeout_s=self.timeout_s)
         return partial.to(expert_y.dtype)

@@ -9,6 +9,7 @@
     reference topology over gloo in the same processes.
   * backend "auto" settles on "cute" when every rank has a GPU of its own.
   * cute ranks out of step (one skipped a layer) raise ValueError on every rank.
+  * the engine's decode step under tp over NCCL replayed from a CUDA graph on every rank.
 
 Skipped, with the reason, on machines with fewer than two GPUs. Every pool call is bounded
 (RUN_TIMEOUT_S in test_topologies_cute_gpu.py); device-side waits by the topologies' timeout_s.
@@ -66,3 +67,60 @@ def test_auto_picks_cute_with_a_gpu_per_rank(run):
 @pytest.mark.parametrize("name", ["tp", "dp_nvlink"])
 def test_cute_ranks_out_of_step_across_gpus_raise_on_every_rank(run, name):
     check_out_of_step(name, run(w_out_of_step, name, True))
+
+
+def w_tp_decode_graph(rank, world, ckpt):
+    """A bf16 tp model over an NCCL group, its MoE topologies on the reference backend (as Ray
+    actors that see one GPU each settle), decoding the same steps eagerly and from a
+    DecodeGraph on every rank; then run_requests, which replays the graphs."""
+    from moe_runtime.engine.decode_graph import DecodeGraph, graphs_apply
+    from moe_runtime.engine.sampler import SamplingParams
+    from moe_runtime.engine.scheduler import run_requests
+    from moe_runtime.layer import MoELayer
+    from moe_runtime.models import Parallel, load_model
+    from test_topologies_multirank import rank_device_and_group
+    dev, group = rank_device_and_group(rank, {"nccl": True})
+    with torch.inference_mode():
+        model = load_model(ckpt, Parallel("tp", rank, world, group, "auto", 60.0),
+                           dtype="bfloat16", device=dev, progress=False)
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoELayer):
+                layer.mlp.topology.backend = "reference"
+        capturable = graphs_apply(model)
+        g = torch.Generator(device=dev).manual_seed(3)
+        B, L, N = 3, 250, 10
+        ids = torch.randint(0, model.spec.vocab_size, (B, L), device=dev, generator=g)
+        pos = torch.arange(L, device=dev).expand(B, L)
+        caches = [model.new_cache(B, L + N, device=dev) for _ in range(2)]
+        for c in caches:
+            model(ids, pos, torch.ones_like(ids, dtype=torch.bool), torch.full((B,), L - 1, device=dev), c)
+        graph = DecodeGraph(model, caches[1], B)
+        errs, buckets, replayed = [], [], None
+        for step in range(N):
+            tokens = torch.randint(0, model.spec.vocab_size, (B,), device=dev, generator=g)
+            positions = torch.full((B,), L + step)
+            eager = model(tokens[:, None], positions[:, None].to(dev),
+                          torch.ones(B, 1, dtype=torch.bool, device=dev),
+                          torch.zeros(B, dtype=torch.int64, device=dev), caches[0])
+            replayed = graph(tokens.cpu(), positions)
+            errs.append(float((replayed - eager).norm() / eager.norm()))
+            if not buckets or buckets[-1] != graph.kv_len:
+                buckets.append(graph.kv_len)
+        out = run_requests(model, [[1, 2, 3], [4, 5, 6, 7, 8]], range(2),
+                           SamplingParams(max_new_tokens=8), stop_ids=[])
+    return capturable, errs, buckets, replayed.cpu(), out.extra["cuda_graphs"], out.token_ids
+
+
+def test_tp_decode_steps_replay_from_cuda_graphs_on_every_rank(run, tmp_path):
+    """Each rank's replayed logits match its eager step (bf16) over two length buckets, are
+    the same on both ranks (the all-reduces give every rank the same sums), and run_requests
+    replays graphs with the same tokens on both ranks."""
+    from moe_runtime.models.make_checkpoint import make_checkpoint
+    ckpt = make_checkpoint(str(tmp_path / "qwen3"), "qwen3-moe", "tiny")
+    got = run(w_tp_decode_graph, ckpt)
+    for capturable, errs, buckets, _, graphed, _ in got:
+        assert capturable and graphed
+        assert max(errs) < 2e-2, errs
+        assert buckets == [256, 260]
+    assert torch.equal(got[0][3], got[1][3])
+    assert got[0][5] == got[1][5] and all(len(t) == 8 for t in got[0][5])
