@@ -129,7 +129,8 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
     p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
     p.add_argument("--eager", action="store_true",
                    help="run every decode step eagerly (default: replayed from a CUDA graph on "
-                        "one GPU, or under tp over NCCL, with the cute kernels and 16-bit experts)")
+                        "one GPU, or by every rank when the MoE topologies exchange over NCCL; "
+                        "needs the cute routing kernels and 16-bit experts)")
 
 
 def add_generate_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDRESS_HELP) -> None:

@@ -325,18 +325,23 @@ def test_cuda_ranks_greedy_ids_equal_hf_generate(ray_session, ckpt, reference, w
 
 
 @pytest.mark.gpu
-def test_tp_gpu_ranks_replay_their_decode_steps_from_cuda_graphs(ray_session, tmp_path):
-    """2 GPU ranks under tp, bf16: each actor sees one GPU, so the MoE combine is an NCCL
-    all-reduce, and every rank replays its decode steps from a CUDA graph (RankOutput.extra);
-    the ranks sample the same tokens (rank 0's, every step)."""
+@pytest.mark.parametrize("topology", ["tp", "dp_nvlink"])
+def test_gpu_ranks_replay_their_decode_steps_from_cuda_graphs(ray_session, tmp_path, topology):
+    """2 GPU ranks, bf16: each actor sees one GPU, so the MoE topologies exchange over NCCL,
+    and every rank replays its decode steps from a CUDA graph (RankOutput.extra), giving the
+    eager steps' tokens."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     d = make_checkpoint(str(tmp_path / "bf16"), "qwen3-moe", "tiny", dtype="bfloat16")
-    with Engine(d, world_size=2, topology="tp", device="cuda", progress=False) as eng:
-        res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, stop_token_ids=[]))
-    assert [o.extra["cuda_graphs"] for o in res.per_rank] == [True, True]
-    assert res.per_rank[0].token_ids == res.per_rank[1].token_ids
-    assert all(len(c.token_ids) == NEW for c in res.completions)
+    params = SamplingParams(max_new_tokens=NEW, stop_token_ids=[])
+    got = []
+    for graphs in (True, False):
+        with Engine(d, world_size=2, topology=topology, device="cuda", progress=False,
+                    cuda_graphs=graphs) as eng:
+            got.append(eng.generate(PROMPTS, params))
+    assert [[o.extra["cuda_graphs"] for o in r.per_rank] for r in got] == [[True, True], [False, False]]
+    assert ids_of(got[0]) == ids_of(got[1])
+    assert all(len(t) == NEW for t in ids_of(got[0]))
 
 
 def test_bad_requests_are_rejected_in_the_driver_and_the_engine_lives_on(engines, reference):

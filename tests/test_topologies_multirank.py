@@ -7,6 +7,7 @@ and equality with LocalTopology on the concatenated tokens (DP) or the shared ba
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from _dist import DistPool, RankError, run_distributed
 from moe_runtime.comm import CollectiveError
-from moe_runtime.topologies import LocalTopology, make_topology
+from moe_runtime.topologies import LocalTopology, fixed_capacity, make_topology
 
 TOPOS = ("tp", "dp_nvlink", "dp_p2p")
 WORLDS = (1, 2, 4)
@@ -114,10 +115,13 @@ def w_case(rank, world, topo_name, case):
     topo = make_topology(topo_name, case["E"], group=group, align=case["align"],
                          backend="reference")
     x, ids, w = (t.to(dev) for t in my_inputs(case, rank, world, topo_name))
-    res = topo.dispatch(x, ids, w)
-    y_id = topo.combine(res.expert_x, res)
-    y = topo.combine(run_experts(case["experts"], res.expert_x, res.expert_offsets,
-                                 topo.expert_start), res)
+    with (fixed_capacity([topo], max(max(make_batch(case, world)[3]), 1)) if case.get("fixed")
+          else contextlib.nullcontext()):
+        res = topo.dispatch(x, ids, w)
+        y_id = topo.combine(res.expert_x, res)
+        y = topo.combine(run_experts(case["experts"], res.expert_x, res.expert_offsets,
+                                     topo.expert_start), res)
+    assert res.handle.get("fixed", False) == bool(case.get("fixed"))
     n = int(res.expert_offsets[-1])
     return {"y_id": y_id.cpu(), "y": y.cpu(), "offsets": res.expert_offsets.cpu(),
             "rows": res.expert_x[:n].clone().cpu(), "expert_start": topo.expert_start,
@@ -338,6 +342,37 @@ def _tol(dtype):
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_local(pools, world, topo_name, case_name):
     check_against_local(pools(world), world, topo_name, {**BASE, **CASES[case_name]})
+
+
+@pytest.mark.parametrize("case_name", ["base", "T0_on_rank0", "all_to_one_expert_k1",
+                                       "empty_experts_align8", "k_eq_E", "bf16_align8_scale"])
+@pytest.mark.parametrize("topo_name", ["dp_nvlink", "dp_p2p"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_fixed_capacity_protocol_matches_local(pools, world, topo_name, case_name):
+    """fixed_capacity (the engine's graphed decode under dp): blocks of T_max * min(k, E_local)
+    rows to every peer, the same offsets, rows and outputs as the split-size protocol."""
+    check_against_local(pools(world), world, topo_name, {**BASE, **CASES[case_name], "fixed": True})
+
+
+def w_fixed_capacity_limits(rank, world):
+    dp = make_topology("dp_nvlink", E, backend="reference", timeout_s=10)
+    tp = make_topology("tp", E, backend="reference", timeout_s=10)
+    x, w = torch.randn(3, 8), torch.rand(3, 2)
+    ids = torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32)
+    with fixed_capacity([dp, tp], 2):
+        assert (dp.fixed_tokens, tp.__dict__.get("fixed_tokens")) == (2, None)
+        with pytest.raises(ValueError, match=f"dp_nvlink rank {rank}: 3 tokens in a call of at most 2"):
+            dp.dispatch(x, ids, w)
+    assert dp.fixed_tokens is None
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+            with fixed_capacity([dp], bad):
+                pass
+    return True
+
+
+def test_fixed_capacity_refuses_calls_above_it_and_leaves_tp_alone(pools):
+    assert pools(2).run(w_fixed_capacity_limits, timeout_s=60) == [True, True]
 
 
 @settings(max_examples=25, deadline=None,

@@ -168,9 +168,9 @@ def _poll(done: Callable[[], bool], timeout_s: float) -> float:
 def wait_stream_bounded(step: str, group=None, timeout_s: Optional[float] = None,
                         device: Optional[torch.device] = None) -> None:
     """Wait, from the host, until the work queued so far on `device`'s current stream is done,
-    for at most timeout_s (None: default_timeout_s()): the bound of a replayed CUDA graph
-    whose collectives were recorded in a capture (module docstring), where neither this
-    module's waits nor NCCL's watchdog see them.
+    for at most timeout_s (None: default_timeout_s(), whatever the group's timeout): the bound
+    of a replayed CUDA graph whose collectives were recorded in a capture (module docstring),
+    where neither this module's waits nor NCCL's watchdog see them.
 
     Raises:
         CollectiveError: not done in time (a peer may have stalled, died or not replayed the

@@ -1,5 +1,5 @@
 """CUDA-graph replay of the engine's decode steps: a model on one GPU (`local` topology), or a
-`tp` rank whose collectives are NCCL all-reduces (the reference backend).
+`tp` / `dp_*` rank whose collectives are NCCL's (the reference backend).
 
 An eager decode step launches several hundred small kernels (attention, norms, RoPE, and the
 MoE layers' routing, dispatch, experts and combine in every layer), so the host sets its pace,
@@ -20,24 +20,33 @@ graph (comm.groups: no host wait inside a capture; the combine's check of the pe
 made by the eager run before each capture), and each replay is followed by a bounded wait for
 its completion (comm.wait_stream_bounded: a peer that stalls or does not replay raises
 CollectiveError naming this rank and the step; NCCL's watchdog does not see recorded
-collectives). The other multi-rank topologies stay eager: `dp_*` exchange counts that the
-host reads, and the cute `tp` backend reads its kernels' error words after every combine.
+collectives). Under `dp_*` over NCCL the same holds with the fixed-capacity protocol
+(topologies.fixed_capacity: blocks of B * min(k, E_local) rows to every peer, no split sizes
+read on the host), entered around the eager run and the capture; the ranks hold the same B
+and cache length and capture at the same steps (engine/scheduler.py agrees on them). The cute
+backends (ranks that see each other's GPUs) stay eager: they read their kernels' error words
+after every call.
 """
 from __future__ import annotations
+
+import contextlib
+from typing import Optional
 
 import torch
 
 from ..comm import wait_stream_bounded
 from ..layer import MoELayer
+from ..topologies import fixed_capacity
 
 
 def graphs_apply(model) -> bool:
     """Whether `model` (a MoECausalLM) can replay its decode steps from a CUDA graph: on a
-    CUDA device, one rank or `tp`, and every MoE layer capturable (MoELayer.graph_capturable:
-    on one rank the cute kernels and 16-bit experts; under tp the same routing and experts
-    with the reference backend's NCCL all-reduce)."""
+    CUDA device, and every MoE layer capturable (MoELayer.graph_capturable: on one rank the
+    cute kernels and 16-bit experts; under tp / dp_* the same routing and experts with the
+    reference backend over NCCL)."""
     p = model.parallel
-    return (model.device.type == "cuda" and (p.world_size == 1 or p.tensor_parallel)
+    return (model.device.type == "cuda"
+            and (p.world_size == 1 or p.tensor_parallel or p.data_parallel)
             and all(layer.mlp.graph_capturable() for layer in model.layers
                     if isinstance(layer.mlp, MoELayer)))
 
@@ -66,6 +75,8 @@ class DecodeGraph:
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self.last = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.ranks = model.parallel.world_size
+        self.dp_topologies = ([l.mlp.topology for l in model.layers if isinstance(l.mlp, MoELayer)]
+                              if model.parallel.data_parallel else [])
         self.kv_len = 0  # the bucket of the current graph (0: none yet)
         self.graph = None
         self.logits = None
@@ -77,15 +88,21 @@ class DecodeGraph:
         return min(max(KV_BUCKET_MIN, 1 << (needed - 1).bit_length()), self.cache.max_len)
 
     def _step(self) -> torch.Tensor:
-        return self.model(self.ids, self.positions, None, self.last, self.cache,
-                          kv_len=self.kv_len)
+        with contextlib.ExitStack() as stack:
+            if self.dp_topologies:  # (every rank: B rows per MoE call)
+                stack.enter_context(fixed_capacity(self.dp_topologies, self.ids.shape[0]))
+            return self.model(self.ids, self.positions, None, self.last, self.cache,
+                              kv_len=self.kv_len)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 needed: Optional[int] = None) -> torch.Tensor:
         """One decode step: token `tokens[b]` at position `positions[b]` of sequence b.
 
         Args:
             tokens, positions: int64 [B] (on the host, or the positions' max is read from the
                 device); every position < cache.max_len.
+            needed: the cached positions the step must attend over (None: max(positions) + 1);
+                under dp_* the ranks' largest, so that they capture at the same steps.
 
         Returns:
             fp32 logits [B, vocab_size]: the graph's output buffer, overwritten by the next
@@ -98,7 +115,8 @@ class DecodeGraph:
         """
         self.ids.copy_(tokens.view(-1, 1))
         self.positions.copy_(positions.view(-1, 1))
-        kv_len = max(self.kv_len, self.kv_bucket(int(positions.max()) + 1))
+        needed = int(positions.max()) + 1 if needed is None else needed
+        kv_len = max(self.kv_len, self.kv_bucket(needed))
         if kv_len != self.kv_len:
             self.graph = self.logits = None  # (its memory goes back before the next capture)
             self.kv_len = kv_len

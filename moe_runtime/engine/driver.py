@@ -233,9 +233,10 @@ class Engine:
             pass) within every timeout_s.
         progress: tqdm bars while loading (shown through Ray's log forwarding).
         ray_init_kwargs: extra ray.init arguments for the embedded start.
-        cuda_graphs: replay each decode step from a CUDA graph where the ranks allow it
-            (engine.decode_graph: one GPU rank, or tp ranks over NCCL, MoE layers on the cute
-            kernels with 16-bit experts); False: every step eager.
+        cuda_graphs: replay each decode step from a CUDA graph where every rank allows it
+            (engine.decode_graph: one GPU rank, or tp / dp_* ranks whose MoE topologies
+            exchange over NCCL, as ranks that see one GPU each do; routing on the cute kernels,
+            16-bit experts); False: every step eager.
 
     Raises:
         FileNotFoundError: model_dir has no config.json.

@@ -52,17 +52,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _agree(flags: Sequence[int], parallel, device: torch.device) -> list[int]:
-    """Under dp_* with several ranks: each flag summed over the ranks (one all-reduce on
-    `device`: nccl reduces only CUDA tensors), so that every rank takes the same branch and
-    runs the same forward passes; otherwise the flags themselves (no device round trip)."""
-    if not (parallel.data_parallel and parallel.world_size > 1):
-        return list(flags)
+def _gather(flags: Sequence[int], parallel, device: torch.device, *,
+            any_topology: bool = False) -> list[list[int]]:
+    """Under dp_* with several ranks (any multi-rank topology with any_topology): every rank's
+    flags, in rank order (one all-reduce of a [W, len(flags)] table on `device`: nccl reduces
+    only CUDA tensors), so that every rank takes the same branch and runs the same forward
+    passes; otherwise [flags] (no device round trip)."""
+    if parallel.world_size == 1 or not (any_topology or parallel.data_parallel):
+        return [list(flags)]
     from ..comm import all_reduce_sum
-    t = torch.tensor(list(flags), dtype=torch.int64, device=device)
-    all_reduce_sum(t, group=parallel.group, step="scheduler: requests to place or decode",
-                   timeout_s=parallel.timeout_s)
-    return t.tolist()
+    t = torch.zeros(parallel.world_size, len(flags), dtype=torch.int64)
+    t[parallel.rank] = torch.tensor(list(flags), dtype=torch.int64)
+    return all_reduce_sum(t.to(device), group=parallel.group, timeout_s=parallel.timeout_s,
+                          step="scheduler: requests to place or decode").tolist()
 
 
 def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.Tensor:
@@ -84,20 +86,19 @@ GRAPH_MIN_STEPS = 4  # decode steps from which capturing (~2 eager steps' time) 
 WARM_UP_TOKENS = 2048
 
 
-def _decode_step(model, cache, batch: int, steps: int, cuda_graphs: bool):
-    """(step, graphed): step(tokens, lengths, active) runs one decode step (host tensors: int64
-    [B] each sequence's token and position, bool [B] the sequences still generating) and
-    returns its logits; replayed from a DecodeGraph where `cuda_graphs`, B >= 1, at least
-    GRAPH_MIN_STEPS decode `steps` and graphs_apply(model), else an eager forward whose MoE
-    layers see the active sequences."""
+def _decode_step(model, cache, batch: int, graphed: bool):
+    """step(tokens, lengths, active, needed) runs one decode step (host tensors: int64 [B]
+    each sequence's token and position, bool [B] the sequences still generating; needed: the
+    cached positions the ranks' longest sequence needs) and returns its logits; replayed from
+    a DecodeGraph where `graphed` (and B >= 1), else an eager forward whose MoE layers see the
+    active sequences."""
     dev = model.device
-    if cuda_graphs and batch and steps >= GRAPH_MIN_STEPS and graphs_apply(model):
+    if graphed and batch:
         graph = DecodeGraph(model, cache, batch)
-        return (lambda tokens, lengths, active: graph(tokens, lengths)), True
+        return lambda tokens, lengths, active, needed: graph(tokens, lengths, needed)
     zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
-    return (lambda tokens, lengths, active: model(
-        tokens[:, None].to(dev), lengths[:, None].to(dev), active[:, None].to(dev), zeros,
-        cache)), False
+    return lambda tokens, lengths, active, needed: model(
+        tokens[:, None].to(dev), lengths[:, None].to(dev), active[:, None].to(dev), zeros, cache)
 
 
 def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[int],
@@ -115,7 +116,10 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     before each one (a small all-reduce) on whether it is a prefill (some rank placed
     requests; the others run an empty one) or a decode step (some rank has a sequence
     generating), and stop together; under tp every rank holds every request and takes rank
-    0's sampled tokens, so their decisions agree by construction.
+    0's sampled tokens, so their decisions agree by construction. The ranks also agree, once,
+    on CUDA graphs: all of them replay or none (under dp_* each then holds as many cache slots
+    and positions as the largest rank, at least one slot, and every step attends over the
+    bucket of the longest sequence on any rank).
 
     Args:
         model: a MoECausalLM (its `parallel` says tp / dp / local).
@@ -130,11 +134,10 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         fail_at_step: testing aid: raise RuntimeError at this decode step (fault tests).
         on_step: called with the number of forward passes done (prefills and decode steps):
             the rank's progress (RankWorker.progress).
-        cuda_graphs: replay the decode steps from CUDA graphs where the model allows it
-            (decode_graph.graphs_apply: one rank or tp over NCCL on CUDA, MoE layers whose
-            forward a capture can record) and
-            there are GRAPH_MIN_STEPS of them or more; RankOutput.extra["cuda_graphs"] says
-            whether it did.
+        cuda_graphs: replay the decode steps from CUDA graphs where the model allows it on
+            every rank (decode_graph.graphs_apply: CUDA, one rank or tp / dp_* over NCCL, MoE
+            layers whose forward a capture can record) and there are GRAPH_MIN_STEPS of them
+            or more; RankOutput.extra["cuda_graphs"] says whether it did.
 
     Returns:
         RankOutput in the order of `prompts`; finish_reasons "stop" (a stop token) or
@@ -152,8 +155,16 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
     slots = min(n, max_batch_size or n)
-    cache = model.new_cache(slots, max((len(p) for p in prompts), default=1)
-                            + params.max_new_tokens, device=dev)
+    max_len = max((len(p) for p in prompts), default=1) + params.max_new_tokens
+    steps = -(-n // max(slots, 1)) * (params.max_new_tokens - 1)  # (each request to its length)
+    graphed = bool(cuda_graphs) and graphs_apply(model)
+    # (a rank whose kernels cannot be captured, e.g. without CuTeDSL: no rank replays, since
+    # recorded collectives must meet recorded ones)
+    every = _gather([int(graphed), slots, max_len, steps], model.parallel, dev, any_topology=True)
+    graphed = all(e[0] for e in every) and max(e[3] for e in every) >= GRAPH_MIN_STEPS
+    if graphed and model.parallel.data_parallel:  # one graph shape: B slots (>= 1), max_len
+        slots, max_len = max(max(e[1] for e in every), 1), max(e[2] for e in every)
+    cache = model.new_cache(slots, max_len, device=dev)
     gens = request_generators(params.seed, request_ids) if params.temperature > 0 else [None] * n
     stop = set(int(s) for s in stop_ids)
     out = RankOutput(list(request_ids), [[] for _ in range(n)], ["length"] * n,
@@ -184,10 +195,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
             on_step(forwards)
 
     limit = moe_tokens_per_call(model)
-    rounds = -(-n // max(slots, 1))  # (every request running to its length)
-    decode, out.extra["cuda_graphs"] = _decode_step(model, cache, slots,
-                                                    rounds * (params.max_new_tokens - 1),
-                                                    cuda_graphs)
+    decode = _decode_step(model, cache, slots, graphed)
+    out.extra["cuda_graphs"] = graphed and slots > 0
     _sync(dev)
     while True:
         t0 = time.perf_counter()
@@ -200,7 +209,9 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
                 placed.append(b)
                 budget -= len(prompts[owner[b]])
         generating = [b for b in range(slots) if owner[b] >= 0 and b not in placed]
-        any_placed, any_generating = _agree([len(placed), len(generating)], model.parallel, dev)
+        every = _gather([len(placed), len(generating), int(lengths.max()) + 1 if slots else 1],
+                        model.parallel, dev)
+        any_placed, any_generating = (sum(e[i] for e in every) for i in (0, 1))
         if any_placed:
             logits = _prefill(model, cache, [prompts[owner[b]] for b in placed], placed)
             lengths[placed] = torch.tensor([len(prompts[owner[b]]) for b in placed],
@@ -215,7 +226,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         if fail_at_step is not None and out.steps == fail_at_step:
             raise RuntimeError(f"injected fault at decode step {out.steps}")
         active = torch.tensor([o >= 0 for o in owner], dtype=torch.bool)
-        logits = decode(tokens, lengths, active)
+        logits = decode(tokens, lengths, active, max(e[2] for e in every))
         lengths += active.to(torch.int64)
         out.steps += 1
         counted()

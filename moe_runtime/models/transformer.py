@@ -519,7 +519,7 @@ class MoECausalLM(nn.Module):
             the MoE collectives).
 
         With `kv_len` and valid None the forward never waits for the device (the MoE layers'
-        own forwards permitting: MoELayer.host_sync_free), so a CUDA graph can capture it
+        own forwards permitting: MoELayer.graph_capturable), so a CUDA graph can capture it
         (engine.decode_graph); otherwise it reads positions.max() and the valid rows once.
         """
         B = input_ids.shape[0]

@@ -11,7 +11,7 @@ from ..comm.groups import check_timeout_s
 from .base import CallAbandoned, DispatchResult, Topology, validate_routing
 from .distributed import (CUTE_TOPOLOGIES, BackendNotImplementedError, DataParallelTopology,
                           GroupTopology, PeerBufferTopology, auto_picks_cute,
-                          resolve_group_backend)
+                          fixed_capacity, resolve_group_backend)
 from .dp_nvlink import DPNVLinkTopology
 from .dp_p2p import DPP2PTopology
 from .local import LocalTopology
@@ -92,6 +92,6 @@ __all__ = [
     "TOPOLOGIES", "make_topology", "Topology", "DispatchResult", "CallAbandoned", "validate_routing",
     "LocalTopology", "TPTopology", "DPNVLinkTopology", "DPP2PTopology", "DataParallelTopology",
     "GroupTopology", "PeerBufferTopology", "BackendNotImplementedError", "resolve_group_backend",
-    "auto_picks_cute", "CUTE_TOPOLOGIES",
+    "auto_picks_cute", "CUTE_TOPOLOGIES", "fixed_capacity",
     "ClusterInfo", "ParallelConfig", "Selection", "select_topology",
 ]

@@ -20,6 +20,11 @@ DP protocol (each rank owns its own batch; T may differ per rank, including T = 
                  (weighted sum over k in fp32, j = 0..k-1, cast to expert_y.dtype): the local
                  topology's arithmetic, so results equal it up to the experts' own rounding,
                  which may depend on how many rows a GEMM gets (CPU fp32 blocking: ~1e-6).
+Fixed-capacity protocol (inside `fixed_capacity(topologies, tokens)`, which the engine's decode
+graphs enter): every rank sends every peer a block of C = tokens * min(k, E_local) rows and
+their local expert ids (-1 unused) in equal-split all-to-alls, and combine returns the blocks:
+more bytes at decode sizes, but no split size read on the host, so a CUDA graph capture records
+the calls. It exchanges no site, shape or status: the caller keeps the ranks in step.
 
 Every collective is bounded by the group's timeout (or `timeout_s`); a rank that fails input
 validation raises before its first collective, so its peers raise CollectiveError on timeout.
@@ -85,6 +90,7 @@ repairs them for all.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import socket
@@ -95,7 +101,8 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..comm import all_gather_object, all_reduce_sum, all_to_all_single, group_rank_size
+from ..comm import (all_gather_object, all_reduce_sum, all_to_all_single, group_rank_size,
+                    stream_capturing)
 from ..comm.groups import CollectiveError, check_timeout_s
 from ..kernels import reference
 from .base import CallAbandoned, DispatchResult, Topology
@@ -223,12 +230,16 @@ class GroupTopology(Topology):
     def abandon(self, result: DispatchResult, error: BaseException) -> None:
         """Take this rank's part in the combine of `result` without a result (see the module
         docstring): the peers raise RuntimeError naming this rank, and every rank stays in
-        step. On the cute backend, mark the peer buffers broken instead (its peers' kernels
+        step. Inside a CUDA graph capture (which failed) nothing can be exchanged: this
+        topology refuses further calls, and the peers' replays time out. On the cute backend, mark the peer buffers broken instead (its peers' kernels
         time out; every rank then calls peer_buffers.reset()). If that fails too, this
         topology refuses further calls (`_mark_out_of_step`)."""
         if self.world_size == 1 or result.handle.get("settled"):
             return
         result.handle["settled"] = True
+        if stream_capturing():  # (a capture failed: nothing was exchanged, nor can be now)
+            self._mark_out_of_step(error)
+            return
         bufs = result.handle.get("peer_buffers")
         if bufs is not None:
             bufs.broken = bufs.broken or (f"rank {self.rank} left dispatch #{self.calls} without "
@@ -263,6 +274,16 @@ class GroupTopology(Topology):
         if self.world_size > 1 and not self.__dict__.get("_out_of_step"):
             self._out_of_step = (f"{type(error).__name__} in or after dispatch #{self.calls} on "
                                  f"this rank: {error}")
+
+    def records_collectives(self) -> bool:
+        """The reference backend over NCCL ("auto" settled on it: it stays unsettled until the
+        first CUDA call). A CUDA graph capture records its collectives (comm.groups) and the
+        checks that read the peers' answers on the host are skipped while capturing (tp's
+        token check; the eager run before each capture made it) or absent (dp calls inside
+        `fixed_capacity`, the only dp calls a capture may record). The cute backends read their
+        kernels' error words after every call, so they do not."""
+        return (self.world_size > 1 and self.backend == "reference"
+                and dist.get_backend(self.group) == "nccl")
 
     def _check_in_step(self) -> None:
         why = self.__dict__.get("_out_of_step")
@@ -468,6 +489,8 @@ class DataParallelTopology(GroupTopology):
     name = "dp"
 
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
+        if self.__dict__.get("fixed_tokens") is not None:
+            return self._dispatch_fixed(x, topk_ids, topk_weights, self.fixed_tokens)
         T, k = topk_ids.shape
         W, E_local = self.world_size, self.num_local_experts
         flat = topk_ids.flatten().long()
@@ -527,8 +550,64 @@ class DataParallelTopology(GroupTopology):
             "topk_weights": topk_weights, "site": site, "row_pos": row_pos,
             "send_status": send_status, "back_status": back_status})
 
+    def _dispatch_fixed(self, x, topk_ids, topk_weights, tokens: int) -> DispatchResult:
+        """The fixed-capacity protocol (`fixed_capacity`): every rank sends every peer a block
+        of C = tokens * min(k, E_local) rows, and their local expert ids (-1: an unused row),
+        whatever its routing, in one all-to-all of equal splits each; combine returns the
+        blocks the same way. No size is read on the host, so a CUDA graph capture can record
+        the call. Nothing is compared across ranks (no site, shape or status exchange): the
+        caller keeps the ranks in step. Within a block, rows are in (t, j) order."""
+        T, k = topk_ids.shape
+        if T > tokens:
+            raise ValueError(f"{self.name} rank {self.rank}: {T} tokens in a call of at most "
+                             f"{tokens} (fixed_capacity)")
+        W, E_local, dev = self.world_size, self.num_local_experts, x.device
+        C = tokens * min(k, E_local)
+        flat = topk_ids.flatten().long()
+        dest = flat // E_local
+        seen = torch.zeros(T * k, W, dtype=torch.long, device=dev).scatter_(1, dest[:, None], 1)
+        pos = seen.cumsum(0).gather(1, dest[:, None]).squeeze(1) - 1  # (t, j) order per peer
+        # (a pair past C, possible only with an id repeated within a token, is dropped)
+        token_slot = torch.where(pos < C, dest * C + pos, -1)
+        at = torch.where(token_slot >= 0, token_slot, W * C)  # row W * C: dropped pairs
+        rows = x.new_zeros(W * C + 1, x.shape[1])
+        rows[at] = x[torch.arange(T * k, device=dev) // k]
+        ids = torch.full((W * C + 1,), -1, dtype=torch.long, device=dev)
+        ids[at] = flat % E_local
+        recv_rows, recv_ids = torch.empty_like(rows[:-1]), torch.empty_like(ids[:-1])
+        self._exchanged = True
+        all_to_all_single(recv_rows, rows[:-1], group=self.group,
+                          step=self._step("dispatch rows (fixed capacity)"),
+                          timeout_s=self.timeout_s)
+        all_to_all_single(recv_ids, ids[:-1], group=self.group,
+                          step=self._step("dispatch expert ids (fixed capacity)"),
+                          timeout_s=self.timeout_s)
+        expert_x, offsets, recv_slot = reference.dispatch(
+            recv_rows, recv_ids.to(torch.int32).view(-1, 1), expert_start=0,
+            num_local_experts=E_local, align=self.align)
+        return DispatchResult(expert_x, offsets, {
+            "fixed": True, "recv_slot": recv_slot.view(-1).long(),
+            "token_slot": token_slot.view(T, k).to(torch.int32), "topk_weights": topk_weights},
+            expected_rows=tokens * k + E_local * (self.align - 1))
+
+    def _combine_fixed(self, expert_y, h: dict, release: bool = False) -> torch.Tensor:
+        """The fixed-capacity combine (`_dispatch_fixed`); release: zeros for the peers (this
+        rank abandons the call; they get no sign of it)."""
+        slot = h["recv_slot"]
+        send = expert_y[slot.clamp(min=0)]
+        send = torch.zeros_like(send) if release else torch.where(
+            (slot >= 0)[:, None], send, torch.zeros_like(send))
+        returned = torch.empty_like(send)
+        h["settled"] = True
+        all_to_all_single(returned, send, group=self.group,
+                          step=self._step("combine rows (fixed capacity)"),
+                          timeout_s=self.timeout_s)
+        return reference.combine(returned, h["token_slot"], h["topk_weights"])
+
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
+        if h.get("fixed"):
+            return self._combine_fixed(expert_y, h)
         send = expert_y.new_empty(sum(h["recv_splits"]) + self.world_size, expert_y.shape[1])
         send[h["row_pos"]] = expert_y[h["recv_slot"]]
         returned, gone = self._return_rows(send, h, status=0)
@@ -540,6 +619,9 @@ class DataParallelTopology(GroupTopology):
 
     def _release_peers(self, result: DispatchResult) -> None:
         ex, h = result.expert_x, result.handle
+        if h.get("fixed"):
+            self._combine_fixed(ex, h, release=True)
+            return
         self._return_rows(ex.new_zeros(sum(h["recv_splits"]) + self.world_size, ex.shape[1]), h,
                           status=1)
 
@@ -557,6 +639,30 @@ class DataParallelTopology(GroupTopology):
                           step=self._step("combine rows"), timeout_s=self.timeout_s)
         statuses = returned[h["back_status"], 0].tolist()
         return returned, [r for r, v in enumerate(statuses) if v != 0]
+
+
+@contextlib.contextmanager
+def fixed_capacity(topologies: Sequence[Topology], tokens: int):
+    """Inside: the data-parallel topologies among `topologies` on the reference backend run
+    their calls with the fixed-capacity protocol (DataParallelTopology._dispatch_fixed:
+    blocks of tokens * min(k, E_local) rows to every peer, no size or check read on the host),
+    each call of at most `tokens` tokens (ValueError above), so that a CUDA graph capture can
+    record them (the engine's decode step under dp_*, engine/decode_graph.py). Every rank must
+    enter it with the same `tokens` around the same calls; the other topologies are left alone.
+
+    Raises:
+        ValueError: tokens not an int >= 1.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    dp = [t for t in topologies if isinstance(t, DataParallelTopology) and t.backend == "reference"]
+    for t in dp:
+        t.fixed_tokens = tokens
+    try:
+        yield
+    finally:
+        for t in dp:
+            t.fixed_tokens = None
 
 
 # ------------------------------------------------------------------------- the cute backends

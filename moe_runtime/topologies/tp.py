@@ -19,7 +19,7 @@ Backend "cute" (CUDA, bf16/fp16; PeerBufferTopology: buffers made by the first C
               sites (out of step: ValueError on every rank) and T (PeerDataError) with its
               own. Then the error words are read (one host sync per combine). No launch at
               T = 0.
-Inside a CUDA graph capture (reference backend over NCCL: `records_collectives`), the
+Inside a CUDA graph capture (reference backend over NCCL: GroupTopology.records_collectives), the
 combine skips the (T, H, k, dtype, site) check, which reads the peers' answers on the host,
 and its all-reduce is recorded (comm.groups): the engine's decode graph captures a step that
 it first ran eagerly, checks included, and bounds every replay (engine/decode_graph.py).
@@ -30,7 +30,6 @@ used here.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..comm import all_reduce_sum, stream_capturing
 from ..kernels import get_ops, reference
@@ -52,7 +51,7 @@ class TPTopology(PeerBufferTopology):
     combine(expert_y [>= N, H]) -> y [T, H] in expert_y.dtype, identical on every rank.
     Every rank must pass the same x, topk_ids and topk_weights: the reference backend checks
     the token count and hidden size (a small all-reduce before the combine's; ValueError on
-    every rank), the cute one the token count and the call's site in its kernel (module
+    every rank; not inside a CUDA graph capture, module docstring), the cute one the token count and the call's site in its kernel (module
     docstring).
     Constructor arguments and errors: see PeerBufferTopology and GroupTopology
     (max_tokens_per_rank bounds T, the replicated batch); combine raises CollectiveError
@@ -62,14 +61,6 @@ class TPTopology(PeerBufferTopology):
     name = "tp"
     all_to_all = False  # the cute backend needs the all-reduce buffers only
     auto_fallback_over_limit = True  # every rank holds the same tokens: same path everywhere
-
-    def records_collectives(self) -> bool:
-        """The reference backend over NCCL (settled: "auto" stays unsettled until the first
-        CUDA call): a capture records its all-reduce and skips the token check that reads the
-        peers' answers (the capture's eager run made it). The cute backend reads its kernels'
-        error words after every combine, so it does not."""
-        return (self.world_size > 1 and self.backend == "reference"
-                and dist.get_backend(self.group) == "nccl")
 
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
         bufs = self._peer_buffers(x, topk_ids)

@@ -69,10 +69,11 @@ def test_cute_ranks_out_of_step_across_gpus_raise_on_every_rank(run, name):
     check_out_of_step(name, run(w_out_of_step, name, True))
 
 
-def w_tp_decode_graph(rank, world, ckpt):
-    """A bf16 tp model over an NCCL group, its MoE topologies on the reference backend (as Ray
-    actors that see one GPU each settle), decoding the same steps eagerly and from a
-    DecodeGraph on every rank; then run_requests, which replays the graphs."""
+def w_decode_graph(rank, world, ckpt, topology):
+    """A bf16 tp / dp_nvlink model over an NCCL group, its MoE topologies on the reference
+    backend (as Ray actors that see one GPU each settle), decoding the same steps eagerly and
+    from a DecodeGraph on every rank; then run_requests, which replays the graphs (dp: rank 1
+    without requests, so it replays a graph of idle slots with its peer)."""
     from moe_runtime.engine.decode_graph import DecodeGraph, graphs_apply
     from moe_runtime.engine.sampler import SamplingParams
     from moe_runtime.engine.scheduler import run_requests
@@ -81,13 +82,13 @@ def w_tp_decode_graph(rank, world, ckpt):
     from test_topologies_multirank import rank_device_and_group
     dev, group = rank_device_and_group(rank, {"nccl": True})
     with torch.inference_mode():
-        model = load_model(ckpt, Parallel("tp", rank, world, group, "auto", 60.0),
+        model = load_model(ckpt, Parallel(topology, rank, world, group, "auto", 60.0),
                            dtype="bfloat16", device=dev, progress=False)
         for layer in model.layers:
             if isinstance(layer.mlp, MoELayer):
                 layer.mlp.topology.backend = "reference"
         capturable = graphs_apply(model)
-        g = torch.Generator(device=dev).manual_seed(3)
+        g = torch.Generator(device=dev).manual_seed(3 + (rank if topology != "tp" else 0))
         B, L, N = 3, 250, 10
         ids = torch.randint(0, model.spec.vocab_size, (B, L), device=dev, generator=g)
         pos = torch.arange(L, device=dev).expand(B, L)
@@ -106,21 +107,32 @@ def w_tp_decode_graph(rank, world, ckpt):
             errs.append(float((replayed - eager).norm() / eager.norm()))
             if not buckets or buckets[-1] != graph.kv_len:
                 buckets.append(graph.kv_len)
-        out = run_requests(model, [[1, 2, 3], [4, 5, 6, 7, 8]], range(2),
-                           SamplingParams(max_new_tokens=8), stop_ids=[])
-    return capturable, errs, buckets, replayed.cpu(), out.extra["cuda_graphs"], out.token_ids
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+        if topology != "tp" and rank == 1:
+            prompts = []
+        runs = [run_requests(model, prompts, range(len(prompts)),
+                             SamplingParams(max_new_tokens=8), stop_ids=[], cuda_graphs=graphs)
+                for graphs in (True, False)]
+    return (capturable, errs, buckets, replayed.cpu(), [r.extra["cuda_graphs"] for r in runs],
+            [r.token_ids for r in runs])
 
 
-def test_tp_decode_steps_replay_from_cuda_graphs_on_every_rank(run, tmp_path):
-    """Each rank's replayed logits match its eager step (bf16) over two length buckets, are
-    the same on both ranks (the all-reduces give every rank the same sums), and run_requests
-    replays graphs with the same tokens on both ranks."""
+@pytest.mark.parametrize("topology", ["tp", "dp_nvlink"])
+def test_decode_steps_replay_from_cuda_graphs_on_every_rank(run, tmp_path, topology):
+    """Each rank's replayed logits match its eager step (bf16) over two length buckets (tp: the
+    same on both ranks, the all-reduces giving every rank the same sums), and run_requests
+    replays graphs (dp: the fixed-capacity exchange, rank 1 idle) with the eager run's tokens."""
     from moe_runtime.models.make_checkpoint import make_checkpoint
     ckpt = make_checkpoint(str(tmp_path / "qwen3"), "qwen3-moe", "tiny")
-    got = run(w_tp_decode_graph, ckpt)
-    for capturable, errs, buckets, _, graphed, _ in got:
-        assert capturable and graphed
+    got = run(w_decode_graph, ckpt, topology)
+    for capturable, errs, buckets, _, graphed, tokens in got:
+        assert capturable and graphed == [True, False]
         assert max(errs) < 2e-2, errs
         assert buckets == [256, 260]
-    assert torch.equal(got[0][3], got[1][3])
-    assert got[0][5] == got[1][5] and all(len(t) == 8 for t in got[0][5])
+        assert tokens[0] == tokens[1]
+    if topology == "tp":
+        assert torch.equal(got[0][3], got[1][3])
+        assert got[0][5] == got[1][5]
+    else:
+        assert got[1][5][0] == [] and len(got[0][5][0]) == 2
+    assert all(len(t) == 8 for t in got[0][5][0])
