@@ -186,8 +186,9 @@ class MoELayer(nn.Module):
         """Whether a CUDA graph on `device` (default: the router weight's) can capture forward
         as part of a step that every rank of the topology captures and replays together (the
         engine's decode step, engine/decode_graph.py): `host_sync_free` on CUDA, or a topology
-        whose collectives a capture records (Topology.records_collectives: `tp` on the
-        reference backend over NCCL, as Ray actors that see one GPU each settle on) with
+        whose collectives a capture records (Topology.records_collectives: `tp` and, inside
+        topologies.fixed_capacity, `dp_*` on the reference backend over NCCL, as Ray actors
+        that see one GPU each settle on) with
         routing and experts as `host_sync_free` asks. The replay's completion is then bounded
         by its caller (comm.wait_stream_bounded), not by the collectives themselves.
         """

@@ -363,6 +363,58 @@ def test_each_rank_reads_only_its_own_experts(ckpts, tmp_path):
     assert res[1][0] == "error" and key in res[1][1] and "[33, 64]" in res[1][1]
 
 
+class _GraphStandIn:
+    """engine.decode_graph.DecodeGraph on the CPU: the step it captures (dp: inside
+    fixed_capacity, attending over its bucket's positions) run eagerly; each capture is logged
+    with the rank's dispatch calls so far."""
+    log = []
+
+    def __init__(self, model, cache, batch, capacity):
+        from moe_runtime.layer import MoELayer
+        self.model, self.cache, self.batch, self.capacity, self.bucket = model, cache, batch, capacity, 0
+        self.topologies = [l.mlp.topology for l in model.layers if isinstance(l.mlp, MoELayer)]
+
+    def __call__(self, tokens, positions, needed):
+        from moe_runtime.engine.decode_graph import DecodeGraph
+        from moe_runtime.topologies import fixed_capacity
+        bucket = max(self.bucket, DecodeGraph.kv_bucket(needed))
+        if bucket != self.bucket:
+            self.bucket = bucket
+            _GraphStandIn.log.append((bucket, self.batch, self.capacity, self.topologies[0].calls))
+        with fixed_capacity(self.topologies, self.capacity):
+            return self.model(tokens[:, None], positions[:, None], None,
+                              torch.zeros(self.batch, dtype=torch.int64), self.cache,
+                              kv_len=min(bucket, self.cache.max_len))
+
+
+def _dp_graphed_rank(rank: int, world_size: int, model_dir: str):
+    from moe_runtime.engine import scheduler
+    scheduler.graphs_apply = lambda model: True
+    scheduler.DecodeGraph = _GraphStandIn
+    model = load_model(model_dir, Parallel("dp_nvlink", rank, world_size), progress=False)
+    prompts = [[5] * 250, [1, 2, 3], [4, 5]] if rank == 0 else []
+    runs = [run_requests(model, prompts, range(len(prompts)), SamplingParams(max_new_tokens=8),
+                         stop_ids=[], cuda_graphs=graphs) for graphs in (True, False)]
+    return ([r.extra["cuda_graphs"] for r in runs], [r.token_ids for r in runs],
+            _GraphStandIn.log, model.layers[0].mlp.topology.calls)
+
+
+def test_dp_ranks_agree_on_graphed_decode_steps(ckpts):
+    """The scheduler's dp branch of CUDA-graph decode, on the CPU (a stand-in replays the step
+    eagerly): rank 1 has no requests and keeps one idle slot; every MoE call of a step has the
+    capacity of rank 0's 3 slots; both ranks move to the 512-position bucket at the same step
+    (rank 0's sequence of 250 passes 256) with the same dispatch calls behind them; the tokens
+    are the split-size protocol's (eager run)."""
+    from _dist import run_distributed
+    (graphed0, ids0, log0, calls0), (graphed1, ids1, log1, calls1) = run_distributed(
+        _dp_graphed_rank, 2, ckpts["qwen3-moe"])
+    assert graphed0 == graphed1 == [True, False]
+    assert ids0[0] == ids0[1] and ids1 == [[], []] and all(len(t) == 8 for t in ids0[0])
+    assert [(b, c) for b, _, c, _ in log0] == [(256, 3), (512, 3)]
+    assert [(b, n) for b, n, _, _ in log1] == [(256, 1), (512, 1)]
+    assert [c for *_, c in log0] == [c for *_, c in log1] and calls0 == calls1
+
+
 def test_glm4_moe_spec_and_bf16_routers_kept_fp32(ckpts, tmp_path):
     """GLM-4.5's structure read from its config: half-rotary heads, q/k/v biases without an
     o_proj bias, a dense first layer, DeepSeek-V3 routing with a shared expert; in bf16 the

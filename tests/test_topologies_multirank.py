@@ -121,7 +121,7 @@ def w_case(rank, world, topo_name, case):
         y_id = topo.combine(res.expert_x, res)
         y = topo.combine(run_experts(case["experts"], res.expert_x, res.expert_offsets,
                                      topo.expert_start), res)
-    assert res.handle.get("fixed", False) == bool(case.get("fixed"))
+    assert bool(res.handle.get("fixed")) == bool(case.get("fixed"))
     n = int(res.expert_offsets[-1])
     return {"y_id": y_id.cpu(), "y": y.cpu(), "offsets": res.expert_offsets.cpu(),
             "rows": res.expert_x[:n].clone().cpu(), "expert_start": topo.expert_start,
@@ -373,6 +373,32 @@ def w_fixed_capacity_limits(rank, world):
 
 def test_fixed_capacity_refuses_calls_above_it_and_leaves_tp_alone(pools):
     assert pools(2).run(w_fixed_capacity_limits, timeout_s=60) == [True, True]
+
+
+def w_fixed_capacity_abandon(rank, world):
+    """Rank 1 leaves a fixed-capacity call between its dispatch and combine (an error in its
+    experts): rank 0's combine raises CallAbandoned naming it; the block resets the mode."""
+    from moe_runtime.topologies import CallAbandoned
+    dp = make_topology("dp_nvlink", E, backend="reference", timeout_s=10)
+    x, w = torch.randn(3, 8), torch.rand(3, 2)
+    ids = torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32)
+    try:
+        with fixed_capacity([dp], 3):
+            res = dp.dispatch(x, ids, w)
+            if rank == 1:
+                dp.abandon(res, RuntimeError("planted expert failure"))
+                raise RuntimeError("planted expert failure")
+            dp.combine(res.expert_x, res)
+    except (CallAbandoned, RuntimeError) as e:
+        return type(e).__name__, str(e), dp.fixed_tokens
+    return None
+
+
+def test_fixed_capacity_peers_of_an_abandoning_rank_raise(pools):
+    (kind0, msg0, mode0), (kind1, msg1, mode1) = pools(2).run(w_fixed_capacity_abandon, timeout_s=60)
+    assert kind0 == "CallAbandoned" and "rank(s) [1] left" in msg0, msg0
+    assert (kind1, msg1) == ("RuntimeError", "planted expert failure")
+    assert mode0 is mode1 is None
 
 
 @settings(max_examples=25, deadline=None,

@@ -66,9 +66,11 @@ class DecodeGraph:
         cache: its engine.kv_cache.KVCache for these sequences (the graphs read and write this
             cache's tensors).
         batch: B, the sequences (>= 1).
+        capacity: (dp_*) the tokens of every rank's fixed-capacity MoE calls
+            (topologies.fixed_capacity): the largest B of the ranks (default B).
     """
 
-    def __init__(self, model, cache, batch: int):
+    def __init__(self, model, cache, batch: int, capacity: Optional[int] = None):
         dev = model.device
         self.model, self.cache = model, cache
         self.ids = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
@@ -77,20 +79,25 @@ class DecodeGraph:
         self.ranks = model.parallel.world_size
         self.dp_topologies = ([l.mlp.topology for l in model.layers if isinstance(l.mlp, MoELayer)]
                               if model.parallel.data_parallel else [])
-        self.kv_len = 0  # the bucket of the current graph (0: none yet)
+        self.capacity = batch if capacity is None else capacity
+        self.bucket = 0  # the bucket of the current graph (0: none yet) ...
+        self.kv_len = 0  # ... and the cached positions it attends over, at most cache.max_len
         self.graph = None
         self.logits = None
 
-    def kv_bucket(self, needed: int) -> int:
-        """The cached positions a step attends over when its sequences need `needed`: the next
-        power of two (at least KV_BUCKET_MIN), at most cache.max_len; so a step reads at most
-        twice the cache it needs."""
-        return min(max(KV_BUCKET_MIN, 1 << (needed - 1).bit_length()), self.cache.max_len)
+    @staticmethod
+    def kv_bucket(needed: int) -> int:
+        """The bucket of a step whose sequences need `needed` cached positions: the next power
+        of two, at least KV_BUCKET_MIN. The step attends over min(bucket, cache.max_len)
+        positions, so it reads at most twice the cache it needs; a new bucket is a new capture
+        (also past cache.max_len: under dp_* `needed` is the ranks' largest, and every rank
+        captures at the same steps)."""
+        return max(KV_BUCKET_MIN, 1 << (needed - 1).bit_length())
 
     def _step(self) -> torch.Tensor:
         with contextlib.ExitStack() as stack:
-            if self.dp_topologies:  # (every rank: B rows per MoE call)
-                stack.enter_context(fixed_capacity(self.dp_topologies, self.ids.shape[0]))
+            if self.dp_topologies:  # (every rank: calls of `capacity` rows)
+                stack.enter_context(fixed_capacity(self.dp_topologies, self.capacity))
             return self.model(self.ids, self.positions, None, self.last, self.cache,
                               kv_len=self.kv_len)
 
@@ -116,10 +123,10 @@ class DecodeGraph:
         self.ids.copy_(tokens.view(-1, 1))
         self.positions.copy_(positions.view(-1, 1))
         needed = int(positions.max()) + 1 if needed is None else needed
-        kv_len = max(self.kv_len, self.kv_bucket(needed))
-        if kv_len != self.kv_len:
+        bucket = max(self.bucket, self.kv_bucket(needed))
+        if bucket != self.bucket:  # (dp: `needed` is agreed, so every rank captures here)
             self.graph = self.logits = None  # (its memory goes back before the next capture)
-            self.kv_len = kv_len
+            self.bucket, self.kv_len = bucket, min(bucket, self.cache.max_len)
             # The first step of a bucket runs eagerly on a side stream (kernels compiled,
             # workspaces allocated: nothing may do that inside a capture), then is captured;
             # replaying it writes the same cache entries again.

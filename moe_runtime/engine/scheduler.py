@@ -86,15 +86,15 @@ GRAPH_MIN_STEPS = 4  # decode steps from which capturing (~2 eager steps' time) 
 WARM_UP_TOKENS = 2048
 
 
-def _decode_step(model, cache, batch: int, graphed: bool):
+def _decode_step(model, cache, batch: int, graphed: bool, capacity: int):
     """step(tokens, lengths, active, needed) runs one decode step (host tensors: int64 [B]
     each sequence's token and position, bool [B] the sequences still generating; needed: the
     cached positions the ranks' longest sequence needs) and returns its logits; replayed from
-    a DecodeGraph where `graphed` (and B >= 1), else an eager forward whose MoE layers see the
-    active sequences."""
+    a DecodeGraph (dp: MoE calls of `capacity` tokens) where `graphed` (and B >= 1), else an
+    eager forward whose MoE layers see the active sequences."""
     dev = model.device
     if graphed and batch:
-        graph = DecodeGraph(model, cache, batch)
+        graph = DecodeGraph(model, cache, batch, capacity)
         return lambda tokens, lengths, active, needed: graph(tokens, lengths, needed)
     zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
     return lambda tokens, lengths, active, needed: model(
@@ -117,9 +117,9 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     requests; the others run an empty one) or a decode step (some rank has a sequence
     generating), and stop together; under tp every rank holds every request and takes rank
     0's sampled tokens, so their decisions agree by construction. The ranks also agree, once,
-    on CUDA graphs: all of them replay or none (under dp_* each then holds as many cache slots
-    and positions as the largest rank, at least one slot, and every step attends over the
-    bucket of the longest sequence on any rank).
+    on CUDA graphs: all of them replay or none (under dp_* every MoE call of a replayed step
+    then exchanges blocks sized for the largest rank's slots, a rank without requests keeps
+    one idle slot, and the ranks move to a new cached-length bucket at the same steps).
 
     Args:
         model: a MoECausalLM (its `parallel` says tp / dp / local).
@@ -155,16 +155,17 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
     slots = min(n, max_batch_size or n)
-    max_len = max((len(p) for p in prompts), default=1) + params.max_new_tokens
     steps = -(-n // max(slots, 1)) * (params.max_new_tokens - 1)  # (each request to its length)
     graphed = bool(cuda_graphs) and graphs_apply(model)
     # (a rank whose kernels cannot be captured, e.g. without CuTeDSL: no rank replays, since
     # recorded collectives must meet recorded ones)
-    every = _gather([int(graphed), slots, max_len, steps], model.parallel, dev, any_topology=True)
-    graphed = all(e[0] for e in every) and max(e[3] for e in every) >= GRAPH_MIN_STEPS
-    if graphed and model.parallel.data_parallel:  # one graph shape: B slots (>= 1), max_len
-        slots, max_len = max(max(e[1] for e in every), 1), max(e[2] for e in every)
-    cache = model.new_cache(slots, max_len, device=dev)
+    every = _gather([int(graphed), slots, steps], model.parallel, dev, any_topology=True)
+    graphed = all(e[0] for e in every) and max(e[2] for e in every) >= GRAPH_MIN_STEPS
+    capacity = max(e[1] for e in every)  # (dp: the MoE calls' fixed capacity, the largest B)
+    if graphed and model.parallel.data_parallel:
+        slots = max(slots, 1)  # (a rank without requests replays with its peers)
+    cache = model.new_cache(slots, max((len(p) for p in prompts), default=1)
+                            + params.max_new_tokens, device=dev)
     gens = request_generators(params.seed, request_ids) if params.temperature > 0 else [None] * n
     stop = set(int(s) for s in stop_ids)
     out = RankOutput(list(request_ids), [[] for _ in range(n)], ["length"] * n,
@@ -195,7 +196,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
             on_step(forwards)
 
     limit = moe_tokens_per_call(model)
-    decode = _decode_step(model, cache, slots, graphed)
+    decode = _decode_step(model, cache, slots, graphed, capacity)
     out.extra["cuda_graphs"] = graphed and slots > 0
     _sync(dev)
     while True:

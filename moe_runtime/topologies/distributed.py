@@ -24,7 +24,8 @@ Fixed-capacity protocol (inside `fixed_capacity(topologies, tokens)`, which the 
 graphs enter): every rank sends every peer a block of C = tokens * min(k, E_local) rows and
 their local expert ids (-1 unused) in equal-split all-to-alls, and combine returns the blocks:
 more bytes at decode sizes, but no split size read on the host, so a CUDA graph capture records
-the calls. It exchanges no site, shape or status: the caller keeps the ranks in step.
+the calls. It exchanges no site or shape (the caller keeps the ranks in step); combine's blocks
+end with a status row, read on the host outside a capture (CallAbandoned, as above).
 
 Every collective is bounded by the group's timeout (or `timeout_s`); a rank that fails input
 validation raises before its first collective, so its peers raise CollectiveError on timeout.
@@ -555,8 +556,9 @@ class DataParallelTopology(GroupTopology):
         of C = tokens * min(k, E_local) rows, and their local expert ids (-1: an unused row),
         whatever its routing, in one all-to-all of equal splits each; combine returns the
         blocks the same way. No size is read on the host, so a CUDA graph capture can record
-        the call. Nothing is compared across ranks (no site, shape or status exchange): the
-        caller keeps the ranks in step. Within a block, rows are in (t, j) order."""
+        the call. Nothing is compared across ranks before the rows are exchanged (no site or
+        shape exchange: the caller keeps the ranks in step); combine's blocks end with a status
+        row (`_combine_fixed`). Within a block, rows are in (t, j) order."""
         T, k = topk_ids.shape
         if T > tokens:
             raise ValueError(f"{self.name} rank {self.rank}: {T} tokens in a call of at most "
@@ -568,8 +570,9 @@ class DataParallelTopology(GroupTopology):
         seen = torch.zeros(T * k, W, dtype=torch.long, device=dev).scatter_(1, dest[:, None], 1)
         pos = seen.cumsum(0).gather(1, dest[:, None]).squeeze(1) - 1  # (t, j) order per peer
         # (a pair past C, possible only with an id repeated within a token, is dropped)
-        token_slot = torch.where(pos < C, dest * C + pos, -1)
-        at = torch.where(token_slot >= 0, token_slot, W * C)  # row W * C: dropped pairs
+        kept = pos < C
+        at = torch.where(kept, dest * C + pos, W * C)  # row W * C: dropped pairs
+        token_slot = torch.where(kept, dest * (C + 1) + pos, -1)  # (combine: C + 1 per block)
         rows = x.new_zeros(W * C + 1, x.shape[1])
         rows[at] = x[torch.arange(T * k, device=dev) // k]
         ids = torch.full((W * C + 1,), -1, dtype=torch.long, device=dev)
@@ -586,23 +589,35 @@ class DataParallelTopology(GroupTopology):
             recv_rows, recv_ids.to(torch.int32).view(-1, 1), expert_start=0,
             num_local_experts=E_local, align=self.align)
         return DispatchResult(expert_x, offsets, {
-            "fixed": True, "recv_slot": recv_slot.view(-1).long(),
+            "fixed": C, "site": self.site, "recv_slot": recv_slot.view(-1).long(),
             "token_slot": token_slot.view(T, k).to(torch.int32), "topk_weights": topk_weights},
             expected_rows=tokens * k + E_local * (self.align - 1))
 
     def _combine_fixed(self, expert_y, h: dict, release: bool = False) -> torch.Tensor:
-        """The fixed-capacity combine (`_dispatch_fixed`); release: zeros for the peers (this
-        rank abandons the call; they get no sign of it)."""
+        """The fixed-capacity combine (`_dispatch_fixed`): each peer's block of C rows back,
+        then one status row (0, or 1 with `release`: this rank abandons the call and sends
+        zeros). Outside a CUDA graph capture the W statuses are read on the host (CallAbandoned
+        naming the ranks that abandoned); a capture records no such check."""
+        W, C, H = self.world_size, h["fixed"], expert_y.shape[1]
         slot = h["recv_slot"]
-        send = expert_y[slot.clamp(min=0)]
-        send = torch.zeros_like(send) if release else torch.where(
-            (slot >= 0)[:, None], send, torch.zeros_like(send))
+        send = expert_y.new_zeros(W, C + 1, H)
+        if release:
+            send[:, C] = 1.0
+        else:
+            rows = expert_y[slot.clamp(min=0)]
+            send[:, :C] = torch.where((slot >= 0)[:, None], rows, torch.zeros_like(rows)).view(W, C, H)
         returned = torch.empty_like(send)
         h["settled"] = True
-        all_to_all_single(returned, send, group=self.group,
+        all_to_all_single(returned.view(-1, H), send.view(-1, H), group=self.group,
                           step=self._step("combine rows (fixed capacity)"),
                           timeout_s=self.timeout_s)
-        return reference.combine(returned, h["token_slot"], h["topk_weights"])
+        if not stream_capturing():
+            gone = [r for r, v in enumerate(returned[:, C, 0].tolist()) if v != 0]
+            if gone and not release:
+                raise CallAbandoned(f"{self.name} rank {self.rank}: rank(s) {gone} left "
+                                    f"{_site_text(*h['site'])} without its combine (they raised; "
+                                    "see their errors): this call has no result")
+        return reference.combine(returned.view(-1, H), h["token_slot"], h["topk_weights"])
 
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
@@ -648,7 +663,8 @@ def fixed_capacity(topologies: Sequence[Topology], tokens: int):
     blocks of tokens * min(k, E_local) rows to every peer, no size or check read on the host),
     each call of at most `tokens` tokens (ValueError above), so that a CUDA graph capture can
     record them (the engine's decode step under dp_*, engine/decode_graph.py). Every rank must
-    enter it with the same `tokens` around the same calls; the other topologies are left alone.
+    enter it with the same `tokens` around the same calls (the ranks' sites are not compared
+    inside it); the other topologies are left alone.
 
     Raises:
         ValueError: tokens not an int >= 1.
