@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import get_ops, resolve_backend
-from .kernels.grouped_gemm import grouped_gemm, quack_supported, swiglu_grouped_gemm
+from .kernels.grouped_gemm import (grouped_gemm, quack_supported, swiglu_grouped_gemm,
+                                   tile_probe_rows)
 from .param_checks import CheckedModule
 
 # When Experts uses the CuTeDSL expert GEMV instead of the grouped GEMM on CUDA: each row re-reads
@@ -239,6 +240,20 @@ class Experts(CheckedModule):
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)
+
+    def warm_up(self) -> None:
+        """Compile, on the weights' device, the quack grouped GEMMs of every tile configuration
+        forward may pick for prefill-sized rows (grouped_gemm.tile_probe_rows: it picks by the
+        expected rows per expert), on one row per expert; a first prefill of another size then
+        compiles nothing (~2 s each on the H200). Nothing where forward does not take quack."""
+        w = self.gate_up_proj
+        if w.device.type != "cuda" or not self._quack(w.device, w.dtype):
+            return
+        E = w.shape[0]
+        x = torch.zeros(E, w.shape[2], dtype=w.dtype, device=w.device)
+        offsets = torch.arange(E + 1, dtype=torch.int32, device=w.device)
+        for r in tile_probe_rows(torch.cuda.get_device_capability(w.device)[0]):
+            self.forward(x, offsets, expected_rows=max(int(r * E), GEMV_MAX_ROWS + 1))
 
     def host_sync_free(self, device, dtype: torch.dtype) -> bool:
         """Whether forward on `device` with `dtype` rows never waits for the host: the quack path,

@@ -189,8 +189,10 @@ def wait_stream_bounded(step: str, group=None, timeout_s: Optional[float] = None
 
 
 def stream_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (module docstring)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph (module docstring); False on a
+    build of torch without CUDA."""
+    return (torch.backends.cuda.is_built() and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing())
 
 
 def _bounded(step: str, group, timeout_s: Optional[float], start) -> None:

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..layer import MoELayer
 from .decode_graph import DecodeGraph, graphs_apply
 from .sampler import SamplingParams, request_generators, sample
 
@@ -269,7 +270,7 @@ def warm_up(model) -> float:
     process), CUDA, cuBLAS and attention start-up. Runs one prefill of WARM_UP_TOKENS dummy
     tokens (fewer where max_position_embeddings, or the tokens a rank may pass to one call of
     its MoE topologies' peer buffers (`max_tokens_per_rank`), is smaller) and one eager decode
-    step. Every rank of a multi-rank model must call it together (the forwards exchange
+    step, then compiles the expert GEMMs' other tile configurations (Experts.warm_up). Every rank of a multi-rank model must call it together (the forwards exchange
     tokens). Shapes met first later (e.g. another decode batch size) still compile on first use.
 
     Returns:
@@ -280,4 +281,7 @@ def warm_up(model) -> float:
     t0 = time.perf_counter()
     run_requests(model, [[0] * tokens], [0], SamplingParams(max_new_tokens=2), stop_ids=(),
                  cuda_graphs=False)
+    for layer in model.layers:  # (the expert GEMMs' other tile configurations: a local call)
+        if isinstance(layer.mlp, MoELayer):
+            layer.mlp.experts.warm_up()
     return time.perf_counter() - t0

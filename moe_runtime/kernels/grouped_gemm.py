@@ -80,6 +80,15 @@ def tile_config(rows_per_expert: float, gemm: str, arch_major: int = 9
     return GATE_UP_TILE if gemm == "gate_up" else DOWN_TILE
 
 
+def tile_probe_rows(arch_major: int = 9) -> tuple[float, ...]:
+    """Rows per expert, one for each distinct pair of tile configurations that tile_config
+    picks on a GPU of compute capability `arch_major`.x (a warm-up compiles each: Experts.warm_up)."""
+    lo, hi = ONE_TILE_192_ROWS
+    picks = {(tile_config(r, "gate_up", arch_major), tile_config(r, "down", arch_major)): r
+             for r in ((lo + hi) / 2, 2 * hi)}
+    return tuple(picks.values())
+
+
 @functools.lru_cache(maxsize=None)
 def quack_available() -> bool:
     """True when quack-kernels is importable (the `gpu` extra installs it)."""

@@ -102,3 +102,17 @@ def test_experts_take_the_quack_path_above_gemv_rows():
     assert fast.host_sync_free("cuda", torch.bfloat16)
     y, y_ref = fast(x, offsets), ref(x, offsets)
     assert _rel_err(y, y_ref.double()) <= 2e-2
+
+
+def test_experts_warm_up_runs_every_tile_configuration(monkeypatch):
+    """Experts.warm_up runs quack once per pair of tile configurations that tile_config picks
+    here (so a first prefill of another size compiles nothing), on one row per expert."""
+    E, H, I = 16, 1024, 512
+    experts = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
+    seen = []
+    real = gg._config
+    monkeypatch.setattr(gg, "_config", lambda index, tile: seen.append(tile) or real(index, tile))
+    experts.warm_up()
+    major = torch.cuda.get_device_capability()[0]
+    want = [gg.tile_config(r, g, major) for r in gg.tile_probe_rows(major) for g in ("gate_up", "down")]
+    assert seen == want and len(set(want)) == (3 if major == 9 else 2)
