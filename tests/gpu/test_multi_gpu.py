@@ -74,11 +74,12 @@ def w_decode_graph(rank, world, ckpt, topology):
     backend (as Ray actors that see one GPU each settle), decoding the same steps eagerly and
     from a DecodeGraph on every rank; then run_requests, which replays the graphs (dp: rank 1
     without requests, so it replays a graph of idle slots with its peer)."""
-    from moe_runtime.engine.decode_graph import DecodeGraph, graphs_apply
+    from moe_runtime.engine.decode_graph import graphs_apply
     from moe_runtime.engine.sampler import SamplingParams
     from moe_runtime.engine.scheduler import run_requests
     from moe_runtime.layer import MoELayer
     from moe_runtime.models import Parallel, load_model
+    from test_moe_layer_gpu import decode_graph_against_eager
     from test_topologies_multirank import rank_device_and_group
     dev, group = rank_device_and_group(rank, {"nccl": True})
     with torch.inference_mode():
@@ -88,32 +89,15 @@ def w_decode_graph(rank, world, ckpt, topology):
             if isinstance(layer.mlp, MoELayer):
                 layer.mlp.topology.backend = "reference"
         capturable = graphs_apply(model)
-        g = torch.Generator(device=dev).manual_seed(3 + (rank if topology != "tp" else 0))
-        B, L, N = 3, 250, 10
-        ids = torch.randint(0, model.spec.vocab_size, (B, L), device=dev, generator=g)
-        pos = torch.arange(L, device=dev).expand(B, L)
-        caches = [model.new_cache(B, L + N, device=dev) for _ in range(2)]
-        for c in caches:
-            model(ids, pos, torch.ones_like(ids, dtype=torch.bool), torch.full((B,), L - 1, device=dev), c)
-        graph = DecodeGraph(model, caches[1], B)
-        errs, buckets, replayed = [], [], None
-        for step in range(N):
-            tokens = torch.randint(0, model.spec.vocab_size, (B,), device=dev, generator=g)
-            positions = torch.full((B,), L + step)
-            eager = model(tokens[:, None], positions[:, None].to(dev),
-                          torch.ones(B, 1, dtype=torch.bool, device=dev),
-                          torch.zeros(B, dtype=torch.int64, device=dev), caches[0])
-            replayed = graph(tokens.cpu(), positions)
-            errs.append(float((replayed - eager).norm() / eager.norm()))
-            if not buckets or buckets[-1] != graph.kv_len:
-                buckets.append(graph.kv_len)
+        errs, buckets, replayed = decode_graph_against_eager(
+            model, dev, seed=3 + (rank if topology != "tp" else 0))
         prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
         if topology != "tp" and rank == 1:
             prompts = []
         runs = [run_requests(model, prompts, range(len(prompts)),
                              SamplingParams(max_new_tokens=8), stop_ids=[], cuda_graphs=graphs)
                 for graphs in (True, False)]
-    return (capturable, errs, buckets, replayed.cpu(), [r.extra["cuda_graphs"] for r in runs],
+    return (capturable, errs, buckets, replayed, [r.extra["cuda_graphs"] for r in runs],
             [r.token_ids for r in runs])
 
 
