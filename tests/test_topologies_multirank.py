@@ -860,6 +860,39 @@ def test_a_replayed_graph_is_waited_for_within_the_bound(monkeypatch, polls):
     assert _FakeEvent.made[0].recorded == ("stream", "cuda:1")
 
 
+def w_replay_timeout(rank, world):
+    """A multi-rank decode graph whose replay does not complete (a stand-in wait that times
+    out): CollectiveError, and the model's MoE topologies then refuse calls at once."""
+    from types import SimpleNamespace
+
+    from moe_runtime import MoEConfig, MoELayer
+    from moe_runtime.engine import decode_graph
+    from moe_runtime.models import Parallel
+
+    def stalled(step, **kw):
+        raise CollectiveError(f"rank {rank}/{world}: '{step}' did not complete within 0.05s")
+
+    decode_graph.wait_stream_bounded = stalled
+    layer = MoELayer(MoEConfig(hidden_size=8, num_experts=E, top_k=2, moe_intermediate_size=4,
+                               dtype=torch.float32), topology=make_topology("tp", E, backend="reference"))
+    model = SimpleNamespace(device=torch.device("cpu"), parallel=Parallel("tp", rank, world),
+                            layers=[SimpleNamespace(mlp=layer)])
+    graph = decode_graph.DecodeGraph(model, SimpleNamespace(max_len=8), 2)
+    try:
+        graph._wait_for_replay()
+    except CollectiveError as e:
+        stalled_msg = str(e)
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="refuses calls"):
+        layer(x)
+    return stalled_msg
+
+
+def test_a_stalled_graph_replay_stops_the_model_s_topologies(pools):
+    for rank, msg in enumerate(pools(2).run(w_replay_timeout, timeout_s=60)):
+        assert msg.startswith(f"rank {rank}/2: 'decode step (CUDA graph replay over 0 cached"), msg
+
+
 def w_tp_capture(rank, world, backend_of_group):
     """tp (reference) in a pretended capture: the combine skips the token check (one
     collective, not two) and gives the same y; records_collectives per backend and group."""

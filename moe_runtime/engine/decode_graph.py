@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from ..comm import wait_stream_bounded
+from ..comm import CollectiveError, wait_stream_bounded
 from ..layer import MoELayer
 from ..topologies import fixed_capacity
 
@@ -77,8 +77,8 @@ class DecodeGraph:
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self.last = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.ranks = model.parallel.world_size
-        self.dp_topologies = ([l.mlp.topology for l in model.layers if isinstance(l.mlp, MoELayer)]
-                              if model.parallel.data_parallel else [])
+        self.topologies = [l.mlp.topology for l in model.layers if isinstance(l.mlp, MoELayer)]
+        self.dp_topologies = self.topologies if model.parallel.data_parallel else []
         self.capacity = batch if capacity is None else capacity
         self.bucket = 0  # the bucket of the current graph (0: none yet) ...
         self.kv_len = 0  # ... and the cached positions it attends over, at most cache.max_len
@@ -148,8 +148,19 @@ class DecodeGraph:
             self.graph = graph
         self.graph.replay()
         if self.ranks > 1:
-            p = self.model.parallel
+            self._wait_for_replay()
+        return self.logits
+
+    def _wait_for_replay(self) -> None:
+        """Several ranks: wait for the replay within the collectives' timeout. When it does not
+        complete, its collectives stay stuck on the device: every MoE topology of the model
+        then refuses further calls (RuntimeError, no collective) and CollectiveError is raised."""
+        p = self.model.parallel
+        try:
             wait_stream_bounded(f"decode step (CUDA graph replay over {self.kv_len} cached "
                                 "positions)", group=p.group, timeout_s=p.timeout_s,
                                 device=self.ids.device)
-        return self.logits
+        except CollectiveError as e:
+            for topology in self.topologies:
+                topology._mark_out_of_step(e)
+            raise

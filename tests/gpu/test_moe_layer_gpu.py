@@ -411,7 +411,7 @@ def step(ids, positions, valid, last, cache, kv_len):
     torch.cuda.synchronize()
     return ids.float()
 
-graph = DecodeGraph(SimpleNamespace(device=torch.device("cuda"), parallel=SimpleNamespace(world_size=1, data_parallel=False)), SimpleNamespace(max_len=4), 2)
+graph = DecodeGraph(SimpleNamespace(device=torch.device("cuda"), parallel=SimpleNamespace(world_size=1, data_parallel=False), layers=[]), SimpleNamespace(max_len=4), 2)
 graph.model = step  # (a stand-in for the model's forward)
 try:
     graph(torch.tensor([1, 2]), torch.tensor([2, 3]))
