@@ -53,19 +53,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gather(flags: Sequence[int], parallel, device: torch.device, *,
+def _gather(flags: Sequence[int], parallel, device: torch.device, step: str, *,
             any_topology: bool = False) -> list[list[int]]:
     """Under dp_* with several ranks (any multi-rank topology with any_topology): every rank's
     flags, in rank order (one all-reduce of a [W, len(flags)] table on `device`: nccl reduces
-    only CUDA tensors), so that every rank takes the same branch and runs the same forward
-    passes; otherwise [flags] (no device round trip)."""
+    only CUDA tensors; `step` names it in a CollectiveError), so that every rank takes the
+    same branch and runs the same forward passes; otherwise [flags] (no device round trip)."""
     if parallel.world_size == 1 or not (any_topology or parallel.data_parallel):
         return [list(flags)]
     from ..comm import all_reduce_sum
     t = torch.zeros(parallel.world_size, len(flags), dtype=torch.int64)
     t[parallel.rank] = torch.tensor(list(flags), dtype=torch.int64)
     return all_reduce_sum(t.to(device), group=parallel.group, timeout_s=parallel.timeout_s,
-                          step="scheduler: requests to place or decode").tolist()
+                          step=f"scheduler: {step}").tolist()
 
 
 def _from_rank0(tokens: torch.Tensor, parallel, device: torch.device) -> torch.Tensor:
@@ -160,7 +160,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     graphed = bool(cuda_graphs) and graphs_apply(model)
     # (a rank whose kernels cannot be captured, e.g. without CuTeDSL: no rank replays, since
     # recorded collectives must meet recorded ones)
-    every = _gather([int(graphed), slots, steps], model.parallel, dev, any_topology=True)
+    every = _gather([int(graphed), slots, steps], model.parallel, dev,
+                    "CUDA graphs and decode slots", any_topology=True)
     graphed = all(e[0] for e in every) and max(e[2] for e in every) >= GRAPH_MIN_STEPS
     capacity = max(e[1] for e in every)  # (dp: the MoE calls' fixed capacity, the largest B)
     if graphed and model.parallel.data_parallel:
@@ -212,7 +213,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
                 budget -= len(prompts[owner[b]])
         generating = [b for b in range(slots) if owner[b] >= 0 and b not in placed]
         every = _gather([len(placed), len(generating), int(lengths.max()) + 1 if slots else 1],
-                        model.parallel, dev)
+                        model.parallel, dev, "requests to place or decode")
         any_placed, any_generating = (sum(e[i] for e in every) for i in (0, 1))
         if any_placed:
             logits = _prefill(model, cache, [prompts[owner[b]] for b in placed], placed)
