@@ -356,18 +356,23 @@ def test_dp_fixed_capacity_protocol_matches_local(pools, world, topo_name, case_
 
 def w_fixed_capacity_limits(rank, world):
     dp = make_topology("dp_nvlink", E, backend="reference", timeout_s=10)
+    auto = make_topology("dp_p2p", E, timeout_s=10)  # (CPU tensors: the reference path)
     tp = make_topology("tp", E, backend="reference", timeout_s=10)
     x, w = torch.randn(3, 8), torch.rand(3, 2)
     ids = torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32)
-    with fixed_capacity([dp, tp], 2):
-        assert (dp.fixed_tokens, tp.__dict__.get("fixed_tokens")) == (2, None)
-        with pytest.raises(ValueError, match=f"dp_nvlink rank {rank}: 3 tokens in a call of at most 2"):
-            dp.dispatch(x, ids, w)
-    assert dp.fixed_tokens is None
+    with fixed_capacity([dp, auto, tp], 2):
+        assert (dp.fixed_tokens, auto.fixed_tokens, tp.__dict__.get("fixed_tokens")) == (2, 2, None)
+        for t in (dp, auto):
+            with pytest.raises(ValueError, match=f"{t.name} rank {rank}: 3 tokens in a call of at most 2"):
+                t.dispatch(x, ids, w)
+    assert dp.fixed_tokens is auto.fixed_tokens is None
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="tokens must be an int >= 1"):
             with fixed_capacity([dp], bad):
                 pass
+    with pytest.raises(TypeError, match="fixed_capacity takes topologies, got 'dp_nvlink'"):
+        with fixed_capacity(["dp_nvlink"], 2):
+            pass
     return True
 
 

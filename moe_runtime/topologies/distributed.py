@@ -658,20 +658,25 @@ class DataParallelTopology(GroupTopology):
 
 @contextlib.contextmanager
 def fixed_capacity(topologies: Sequence[Topology], tokens: int):
-    """Inside: the data-parallel topologies among `topologies` on the reference backend run
-    their calls with the fixed-capacity protocol (DataParallelTopology._dispatch_fixed:
+    """Inside: the data-parallel topologies among `topologies` run their calls that take the
+    reference protocol (backend "reference", or "auto" where it takes that path) with the
+    fixed-capacity protocol (DataParallelTopology._dispatch_fixed:
     blocks of tokens * min(k, E_local) rows to every peer, no size or check read on the host),
     each call of at most `tokens` tokens (ValueError above), so that a CUDA graph capture can
     record them (the engine's decode step under dp_*, engine/decode_graph.py). Every rank must
     enter it with the same `tokens` around the same calls (the ranks' sites are not compared
-    inside it); the other topologies are left alone.
+    inside it); the other topologies, and the cute backend's calls, are left alone.
 
     Raises:
         ValueError: tokens not an int >= 1.
+        TypeError: an element of `topologies` that is not a Topology.
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
-    dp = [t for t in topologies if isinstance(t, DataParallelTopology) and t.backend == "reference"]
+    bad = [t for t in topologies if not isinstance(t, Topology)]
+    if bad:
+        raise TypeError(f"fixed_capacity takes topologies, got {bad[0]!r}")
+    dp = [t for t in topologies if isinstance(t, DataParallelTopology)]
     for t in dp:
         t.fixed_tokens = tokens
     try:
