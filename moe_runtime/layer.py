@@ -188,9 +188,9 @@ class MoELayer(nn.Module):
         engine's decode step, engine/decode_graph.py): `host_sync_free` on CUDA, or a topology
         whose collectives a capture records (Topology.records_collectives: `tp` and, inside
         topologies.fixed_capacity, `dp_*` on the reference backend over NCCL, as Ray actors
-        that see one GPU each settle on) with
-        routing and experts as `host_sync_free` asks. The replay's completion is then bounded
-        by its caller (comm.wait_stream_bounded), not by the collectives themselves.
+        that see one GPU each settle on) with routing and experts as `host_sync_free` asks.
+        The replay's completion is then bounded by its caller (comm.wait_stream_bounded), not
+        by the collectives themselves.
         """
         device = torch.device(device if device is not None else self.router.weight.device)
         if device.type != "cuda":

@@ -22,8 +22,9 @@ its completion (comm.wait_stream_bounded: a peer that stalls or does not replay 
 CollectiveError naming this rank and the step; NCCL's watchdog does not see recorded
 collectives). Under `dp_*` over NCCL the same holds with the fixed-capacity protocol
 (topologies.fixed_capacity: blocks of B * min(k, E_local) rows to every peer, no split sizes
-read on the host), entered around the eager run and the capture; the ranks hold the same B
-and cache length and capture at the same steps (engine/scheduler.py agrees on them). The cute
+read on the host; B is the largest rank's slots), entered around the eager run and the
+capture; each rank keeps its own slots and cache, and the ranks capture at the same steps
+(engine/scheduler.py agrees on B and on the cached length needed). The cute
 backends (ranks that see each other's GPUs) stay eager: they read their kernels' error words
 after every call.
 """
@@ -44,11 +45,8 @@ def graphs_apply(model) -> bool:
     CUDA device, and every MoE layer capturable (MoELayer.graph_capturable: on one rank the
     cute kernels and 16-bit experts; under tp / dp_* the same routing and experts with the
     reference backend over NCCL)."""
-    p = model.parallel
-    return (model.device.type == "cuda"
-            and (p.world_size == 1 or p.tensor_parallel or p.data_parallel)
-            and all(layer.mlp.graph_capturable() for layer in model.layers
-                    if isinstance(layer.mlp, MoELayer)))
+    return model.device.type == "cuda" and all(
+        layer.mlp.graph_capturable() for layer in model.layers if isinstance(layer.mlp, MoELayer))
 
 
 KV_BUCKET_MIN = 256  # the fewest cached positions a captured step attends over

@@ -174,8 +174,8 @@ class Topology(abc.ABC):
     def records_collectives(self) -> bool:
         """Whether a CUDA graph capture can record this topology's calls with their
         collectives: no host read in them (checks that read peers' answers are skipped while
-        capturing), every rank capturing and replaying the same calls. False here; `tp` on
-        its reference backend over NCCL says True."""
+        capturing), every rank capturing and replaying the same calls. False here;
+        GroupTopology says True on the reference backend over NCCL."""
         return False
 
     def _before_dispatch(self, device: torch.device) -> None:

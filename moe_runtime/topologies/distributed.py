@@ -232,9 +232,10 @@ class GroupTopology(Topology):
         """Take this rank's part in the combine of `result` without a result (see the module
         docstring): the peers raise RuntimeError naming this rank, and every rank stays in
         step. Inside a CUDA graph capture (which failed) nothing can be exchanged: this
-        topology refuses further calls, and the peers' replays time out. On the cute backend, mark the peer buffers broken instead (its peers' kernels
-        time out; every rank then calls peer_buffers.reset()). If that fails too, this
-        topology refuses further calls (`_mark_out_of_step`)."""
+        topology refuses further calls, and the peers' replays time out. On the cute backend,
+        mark the peer buffers broken instead (its peers' kernels time out; every rank then
+        calls peer_buffers.reset()). If that fails too, this topology refuses further calls
+        (`_mark_out_of_step`)."""
         if self.world_size == 1 or result.handle.get("settled"):
             return
         result.handle["settled"] = True
@@ -661,7 +662,8 @@ def fixed_capacity(topologies: Sequence[Topology], tokens: int):
     """Inside: the data-parallel topologies among `topologies` run their calls that take the
     reference protocol (backend "reference", or "auto" where it takes that path) with the
     fixed-capacity protocol (DataParallelTopology._dispatch_fixed:
-    blocks of tokens * min(k, E_local) rows to every peer, no size or check read on the host),
+    blocks of tokens * min(k, E_local) rows to every peer, no split size read on the host;
+    combine reads its status rows only outside a capture),
     each call of at most `tokens` tokens (ValueError above), so that a CUDA graph capture can
     record them (the engine's decode step under dp_*, engine/decode_graph.py). Every rank must
     enter it with the same `tokens` around the same calls (the ranks' sites are not compared
