@@ -323,6 +323,7 @@ CASES = {
     "k_eq_E": dict(k=E, T=[3, 2, 0, 4], seed=7),
     "noncontig_bf16": dict(noncontig=True, dtype=torch.bfloat16, seed=8, experts="scale"),
     "all_ranks_empty": dict(T=[0], seed=9),
+    "odd_H_bf16": dict(H=15, dtype=torch.bfloat16, experts="scale", seed=12),
 }
 
 
@@ -345,7 +346,8 @@ def test_matches_local(pools, world, topo_name, case_name):
 
 
 @pytest.mark.parametrize("case_name", ["base", "T0_on_rank0", "all_to_one_expert_k1",
-                                       "empty_experts_align8", "k_eq_E", "bf16_align8_scale"])
+                                       "empty_experts_align8", "k_eq_E", "bf16_align8_scale",
+                                       "odd_H_bf16", "fp16_scale"])
 @pytest.mark.parametrize("topo_name", ["dp_nvlink", "dp_p2p"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_dp_fixed_capacity_protocol_matches_local(pools, world, topo_name, case_name):

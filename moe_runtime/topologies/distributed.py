@@ -21,8 +21,8 @@ DP protocol (each rank owns its own batch; T may differ per rank, including T = 
                  topology's arithmetic, so results equal it up to the experts' own rounding,
                  which may depend on how many rows a GEMM gets (CPU fp32 blocking: ~1e-6).
 Fixed-capacity protocol (inside `fixed_capacity(topologies, tokens)`, which the engine's decode
-graphs enter): every rank sends every peer a block of C = tokens * min(k, E_local) rows and
-their local expert ids (-1 unused) in equal-split all-to-alls, and combine returns the blocks:
+graphs enter): every rank sends every peer a block of C = tokens * min(k, E_local) rows, each
+carrying its local expert id (-1 unused), in one equal-split all-to-all; combine returns them:
 more bytes at decode sizes, but no split size read on the host, so a CUDA graph capture records
 the calls. It exchanges no site or shape (the caller keeps the ranks in step); combine's blocks
 end with a status row, read on the host outside a capture (CallAbandoned, as above).
@@ -476,6 +476,15 @@ def _unpaired(row: Sequence[int], every: Sequence[Sequence[int]]) -> Optional[in
     return None
 
 
+def _id_column(hidden: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(first column, row width) of a fixed-capacity dispatch row of `hidden` elements of
+    `dtype` followed by one int32 expert id: the id starts at the first 4-byte boundary past
+    the row, so a view of columns [first column:] as int32 is legal."""
+    per_id = max(1, 4 // torch.empty((), dtype=dtype).element_size())
+    col = -(-hidden // per_id) * per_id
+    return col, col + per_id
+
+
 class DataParallelTopology(GroupTopology):
     """Each rank routes its own batch; rows travel to the owners of their experts and back.
 
@@ -554,8 +563,9 @@ class DataParallelTopology(GroupTopology):
 
     def _dispatch_fixed(self, x, topk_ids, topk_weights, tokens: int) -> DispatchResult:
         """The fixed-capacity protocol (`fixed_capacity`): every rank sends every peer a block
-        of C = tokens * min(k, E_local) rows, and their local expert ids (-1: an unused row),
-        whatever its routing, in one all-to-all of equal splits each; combine returns the
+        of C = tokens * min(k, E_local) rows, whatever its routing, in one all-to-all of equal
+        splits; each row carries its local expert id (-1: an unused row) as an int32 in extra
+        columns past H (`_id_column`), so rows and ids travel together. Combine returns the
         blocks the same way. No size is read on the host, so a CUDA graph capture can record
         the call. Nothing is compared across ranks before the rows are exchanged (no site or
         shape exchange: the caller keeps the ranks in step); combine's blocks end with a status
@@ -564,7 +574,7 @@ class DataParallelTopology(GroupTopology):
         if T > tokens:
             raise ValueError(f"{self.name} rank {self.rank}: {T} tokens in a call of at most "
                              f"{tokens} (fixed_capacity)")
-        W, E_local, dev = self.world_size, self.num_local_experts, x.device
+        W, E_local, dev, H = self.world_size, self.num_local_experts, x.device, x.shape[1]
         C = tokens * min(k, E_local)
         flat = topk_ids.flatten().long()
         dest = flat // E_local
@@ -574,20 +584,19 @@ class DataParallelTopology(GroupTopology):
         kept = pos < C
         at = torch.where(kept, dest * C + pos, W * C)  # row W * C: dropped pairs
         token_slot = torch.where(kept, dest * (C + 1) + pos, -1)  # (combine: C + 1 per block)
-        rows = x.new_zeros(W * C + 1, x.shape[1])
-        rows[at] = x[torch.arange(T * k, device=dev) // k]
-        ids = torch.full((W * C + 1,), -1, dtype=torch.long, device=dev)
-        ids[at] = flat % E_local
-        recv_rows, recv_ids = torch.empty_like(rows[:-1]), torch.empty_like(ids[:-1])
+        col, width = _id_column(H, x.dtype)
+        send = x.new_zeros(W * C + 1, width)
+        ids = send[:, col:].view(torch.int32)
+        ids.fill_(-1)
+        send[at, :H] = x[torch.arange(T * k, device=dev) // k]
+        ids[at, 0] = (flat % E_local).to(torch.int32)
+        recv = torch.empty_like(send[:-1])
         self._exchanged = True
-        all_to_all_single(recv_rows, rows[:-1], group=self.group,
-                          step=self._step("dispatch rows (fixed capacity)"),
-                          timeout_s=self.timeout_s)
-        all_to_all_single(recv_ids, ids[:-1], group=self.group,
-                          step=self._step("dispatch expert ids (fixed capacity)"),
+        all_to_all_single(recv, send[:-1], group=self.group,
+                          step=self._step("dispatch rows and expert ids (fixed capacity)"),
                           timeout_s=self.timeout_s)
         expert_x, offsets, recv_slot = reference.dispatch(
-            recv_rows, recv_ids.to(torch.int32).view(-1, 1), expert_start=0,
+            recv[:, :H], recv[:, col:].view(torch.int32)[:, :1], expert_start=0,
             num_local_experts=E_local, align=self.align)
         return DispatchResult(expert_x, offsets, {
             "fixed": C, "site": self.site, "recv_slot": recv_slot.view(-1).long(),
