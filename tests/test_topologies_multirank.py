@@ -368,6 +368,12 @@ def w_fixed_capacity_limits(rank, world):
             with pytest.raises(ValueError, match=f"{t.name} rank {rank}: 3 tokens in a call of at most 2"):
                 t.dispatch(x, ids, w)
     assert dp.fixed_tokens is auto.fixed_tokens is None
+    with fixed_capacity((t for t in (dp, tp)), 4):  # an iterator ...
+        assert dp.fixed_tokens == 4
+        with fixed_capacity([dp], 2):  # ... and nested blocks
+            assert dp.fixed_tokens == 2
+        assert dp.fixed_tokens == 4
+    assert dp.fixed_tokens is None
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="tokens must be an int >= 1"):
             with fixed_capacity([dp], bad):
@@ -867,9 +873,10 @@ def test_a_replayed_graph_is_waited_for_within_the_bound(monkeypatch, polls):
     assert _FakeEvent.made[0].recorded == ("stream", "cuda:1")
 
 
-def w_replay_timeout(rank, world):
+def w_replay_timeout(rank, world, fault=False):
     """A multi-rank decode graph whose replay does not complete (a stand-in wait that times
-    out): CollectiveError, and the model's MoE topologies then refuse calls at once."""
+    out; with `fault`, one that reports a CUDA error): CollectiveError (the error), and the
+    model's MoE topologies then refuse calls at once."""
     from types import SimpleNamespace
 
     from moe_runtime import MoEConfig, MoELayer
@@ -877,6 +884,8 @@ def w_replay_timeout(rank, world):
     from moe_runtime.models import Parallel
 
     def stalled(step, **kw):
+        if fault:  # (an error the replay's event reports, as a sticky CUDA error does)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         raise CollectiveError(f"rank {rank}/{world}: '{step}' did not complete within 0.05s")
 
     decode_graph.wait_stream_bounded = stalled
@@ -885,10 +894,9 @@ def w_replay_timeout(rank, world):
     model = SimpleNamespace(device=torch.device("cpu"), parallel=Parallel("tp", rank, world),
                             layers=[SimpleNamespace(mlp=layer)])
     graph = decode_graph.DecodeGraph(model, SimpleNamespace(max_len=8), 2)
-    try:
+    with pytest.raises(RuntimeError if fault else CollectiveError) as e:
         graph._wait_for_replay()
-    except CollectiveError as e:
-        stalled_msg = str(e)
+    stalled_msg = str(e.value)
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match="refuses calls"):
         layer(x)
@@ -898,6 +906,11 @@ def w_replay_timeout(rank, world):
 def test_a_stalled_graph_replay_stops_the_model_s_topologies(pools):
     for rank, msg in enumerate(pools(2).run(w_replay_timeout, timeout_s=60)):
         assert msg.startswith(f"rank {rank}/2: 'decode step (CUDA graph replay over 0 cached"), msg
+
+
+def test_a_faulting_graph_replay_stops_the_model_s_topologies(pools):
+    for msg in pools(2).run(w_replay_timeout, True, timeout_s=60):
+        assert msg == "CUDA error: an illegal memory access was encountered"
 
 
 def w_tp_capture(rank, world, backend_of_group):

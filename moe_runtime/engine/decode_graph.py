@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..comm import CollectiveError, wait_stream_bounded
+from ..comm import wait_stream_bounded
 from ..layer import MoELayer
 from ..topologies import fixed_capacity
 
@@ -122,9 +122,10 @@ class DecodeGraph:
         self.positions.copy_(positions.view(-1, 1))
         needed = int(positions.max()) + 1 if needed is None else needed
         bucket = max(self.bucket, self.kv_bucket(needed))
-        if bucket != self.bucket:  # (dp: `needed` is agreed, so every rank captures here)
+        if bucket != self.bucket or self.graph is None:  # (dp: `needed` is agreed, so every
+            # rank captures here; no graph: the last capture failed, and a call retries it)
             self.graph = self.logits = None  # (its memory goes back before the next capture)
-            self.bucket, self.kv_len = bucket, min(bucket, self.cache.max_len)
+            self.kv_len = min(bucket, self.cache.max_len)
             # The first step of a bucket runs eagerly on a side stream (kernels compiled,
             # workspaces allocated: nothing may do that inside a capture), then is captured;
             # replaying it writes the same cache entries again.
@@ -143,7 +144,7 @@ class DecodeGraph:
                 raise RuntimeError(f"capturing the decode step in a CUDA graph failed ({e}); "
                                    "decode eagerly with Engine(cuda_graphs=False) or "
                                    "`moe-runtime generate --eager`") from e
-            self.graph = graph
+            self.graph, self.bucket = graph, bucket
         self.graph.replay()
         if self.ranks > 1:
             self._wait_for_replay()
@@ -152,13 +153,14 @@ class DecodeGraph:
     def _wait_for_replay(self) -> None:
         """Several ranks: wait for the replay within the collectives' timeout. When it does not
         complete, its collectives stay stuck on the device: every MoE topology of the model
-        then refuses further calls (RuntimeError, no collective) and CollectiveError is raised."""
+        then refuses further calls (RuntimeError, no collective) and CollectiveError is raised;
+        an error the replay reports (CUDA, NCCL) marks them the same way and is raised."""
         p = self.model.parallel
         try:
             wait_stream_bounded(f"decode step (CUDA graph replay over {self.kv_len} cached "
                                 "positions)", group=p.group, timeout_s=p.timeout_s,
                                 device=self.ids.device)
-        except CollectiveError as e:
+        except Exception as e:  # (a timeout, or a CUDA / NCCL error the event reports)
             for topology in self.topologies:
                 topology._mark_out_of_step(e)
             raise

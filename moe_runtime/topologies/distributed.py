@@ -676,7 +676,8 @@ def fixed_capacity(topologies: Sequence[Topology], tokens: int):
     each call of at most `tokens` tokens (ValueError above), so that a CUDA graph capture can
     record them (the engine's decode step under dp_*, engine/decode_graph.py). Every rank must
     enter it with the same `tokens` around the same calls (the ranks' sites are not compared
-    inside it); the other topologies, and the cute backend's calls, are left alone.
+    inside it); the other topologies, and the cute backend's calls, are left alone. Nested, the
+    inner `tokens` applies inside the inner block and the outer one again after it.
 
     Raises:
         ValueError: tokens not an int >= 1.
@@ -684,17 +685,19 @@ def fixed_capacity(topologies: Sequence[Topology], tokens: int):
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    topologies = list(topologies)  # (an iterator is walked once)
     bad = [t for t in topologies if not isinstance(t, Topology)]
     if bad:
         raise TypeError(f"fixed_capacity takes topologies, got {bad[0]!r}")
     dp = [t for t in topologies if isinstance(t, DataParallelTopology)]
+    outer = [t.__dict__.get("fixed_tokens") for t in dp]  # (nested: restored on the way out)
     for t in dp:
         t.fixed_tokens = tokens
     try:
         yield
     finally:
-        for t in dp:
-            t.fixed_tokens = None
+        for t, before in zip(dp, outer):
+            t.fixed_tokens = before
 
 
 # ------------------------------------------------------------------------- the cute backends
