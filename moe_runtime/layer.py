@@ -166,6 +166,19 @@ class MoELayer(nn.Module):
                                backend=self.experts.backend)
         self.invalidate_cuda_graphs()
 
+    def warm_up(self, max_tokens: Optional[int] = None) -> int:
+        """Compile now what forward of 1..max_tokens tokens (None: any number) would compile on
+        first use, on the router weight's device: the topology's dispatch and combine kernels
+        for every launch shape (Topology.compile_kernels: the local topology's cute kernels) and
+        the experts' grouped GEMM tiles (Experts.warm_up). A forward of one token and one of a
+        prefill's size then compile the rest (routing). Returns the number of dispatch / combine
+        kernels the topology compiled (or found compiled)."""
+        device = self.router.weight.device
+        n = self.topology.compile_kernels(self.config.hidden_size, self.dtype, self.config.top_k,
+                                          max_tokens, device)
+        self.experts.warm_up()
+        return n
+
     # -- CUDA graphs ----------------------------------------------------------------------------
     def host_sync_free(self, device=None) -> bool:
         """Whether forward on `device` (default: the router weight's) never waits for the host.

@@ -271,8 +271,10 @@ def warm_up(model) -> float:
     process), CUDA, cuBLAS and attention start-up. Runs one prefill of WARM_UP_TOKENS dummy
     tokens (fewer where max_position_embeddings, or the tokens a rank may pass to one call of
     its MoE topologies' peer buffers (`max_tokens_per_rank`), is smaller) and one eager decode
-    step, then compiles the expert GEMMs' other tile configurations (Experts.warm_up). Every rank of a multi-rank model must call it together (the forwards exchange
-    tokens). Shapes met first later (e.g. another decode batch size) still compile on first use.
+    step, then compiles the other launch shapes of the MoE layers' kernels (MoELayer.warm_up:
+    the dispatch / combine kernels of every token count, the expert GEMMs' tiles), so a batch
+    of a new size compiles nothing on the local topology. Every rank of a multi-rank model
+    must call it together (the forwards exchange tokens).
 
     Returns:
         The seconds it took.
@@ -282,7 +284,8 @@ def warm_up(model) -> float:
     t0 = time.perf_counter()
     run_requests(model, [[0] * tokens], [0], SamplingParams(max_new_tokens=2), stop_ids=(),
                  cuda_graphs=False)
-    for layer in model.layers:  # (the expert GEMMs' other tile configurations: a local call)
-        if isinstance(layer.mlp, MoELayer):
-            layer.mlp.experts.warm_up()
+    limit = moe_tokens_per_call(model)
+    for layer in model.layers:  # (every launch shape of the dispatch / combine kernels, the
+        if isinstance(layer.mlp, MoELayer):  # expert GEMMs' tiles: compiles, no collective)
+            layer.mlp.warm_up(None if math.isinf(limit) else int(limit))
     return time.perf_counter() - t0

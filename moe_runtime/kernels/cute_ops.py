@@ -34,6 +34,7 @@ later call, or by `check_errors()` (see moe_runtime/sync/host.py).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -45,7 +46,8 @@ from .device_rows import num_segments
 from .reference import dispatch_capacity
 
 __all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode", "linear_gemv",
-           "select_dispatch_mode", "select_combine_mode", "check_errors", "expert_gemv"]
+           "select_dispatch_mode", "select_combine_mode", "check_errors", "expert_gemv",
+           "compile_kernels"]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -304,16 +306,15 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
     if T == 0:
         return expert_x, torch.zeros(E + 1, dtype=torch.int32, device=dev), token_slot
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    dtype = _DTYPE_NAMES[x.dtype]
+    # (every kernel compiled before any runs: the prefill slots launch leaves expert totals in
+    # the workspace that only the copy launch consumes; the next slots launch clears them,
+    # dispatch_slots.py)
+    fns = _dispatch_kernels(_DTYPE_NAMES[x.dtype], H, E, T, k, mode)
     if mode == "decode":
-        cc.dispatch_decode_fn(dtype, H, E, k, *cc.dispatch_decode_shape(T * k))(
-            x, topk_ids, expert_x, offsets, token_slot, expert_start, align,
-            dispatch_decode_grid(T * k, E, _sm_count(dev.index)))
+        fns[0](x, topk_ids, expert_x, offsets, token_slot, expert_start, align,
+               dispatch_decode_grid(T * k, E, _sm_count(dev.index)))
     else:
-        # both compiled before either runs: the slots launch leaves expert totals in the
-        # workspace that only the copy launch consumes (the next slots launch clears them;
-        # dispatch_slots.py)
-        slots, copy = cc.dispatch_slots_fn(E, k), cc.dispatch_copy_fn(dtype, H, E, k)
+        slots, copy = fns
         rank = torch.empty(T, k, dtype=torch.int32, device=dev)
         ws = workspace(dev, "dispatch_slots", _dslots.workspace_words(E))
         slots(topk_ids, rank, ws, expert_start)
@@ -323,6 +324,14 @@ def _dispatch(x, topk_ids, expert_start: int, E: int, align: int, mode: str):
             ws.zero_()  # (stream-ordered after the slots launch; all zeros is a valid state)
             raise
     return expert_x, offsets, token_slot
+
+
+def _dispatch_kernels(dtype: str, H: int, E: int, T: int, k: int, mode: str,
+                      arch: str | None = None) -> tuple:
+    """The compiled kernels a dispatch of T tokens (T >= 1) in `mode` launches, in order."""
+    if mode == "decode":
+        return (cc.dispatch_decode_fn(dtype, H, E, k, *cc.dispatch_decode_shape(T * k), arch),)
+    return cc.dispatch_slots_fn(E, k, arch), cc.dispatch_copy_fn(dtype, H, E, k, arch)
 
 
 # -------------------------------------------------------------------------------- combine
@@ -385,12 +394,59 @@ def _combine(expert_y, token_slot, topk_weights, mode: str) -> torch.Tensor:
         return torch.zeros(T, H, dtype=expert_y.dtype, device=expert_y.device)
     y = torch.empty(T, H, dtype=expert_y.dtype, device=expert_y.device)
     if T:
-        dtype = _DTYPE_NAMES[expert_y.dtype]
-        units = T * num_segments(H, cc.DTYPES[dtype], 1)  # the kernel's (token, segment) units
-        fn = cc.combine_fn(dtype, H, k,
-                           *cc.combine_shape(mode, units, k, _sm_count(expert_y.device.index)))
+        fn = _combine_kernel(_DTYPE_NAMES[expert_y.dtype], H, T, k, mode,
+                             _sm_count(expert_y.device.index))
         fn(expert_y, token_slot, topk_weights, y)
     return y
+
+
+def _combine_kernel(dtype: str, H: int, T: int, k: int, mode: str, sms: int,
+                    arch: str | None = None):
+    """The compiled kernel a combine of T tokens (T >= 1) in `mode` launches on `sms` SMs."""
+    units = T * num_segments(H, cc.DTYPES[dtype], 1)  # the kernel's (token, segment) units
+    return cc.combine_fn(dtype, H, k, *cc.combine_shape(mode, units, k, sms), arch)
+
+
+# ----------------------------------------------------------------------------- warm-up
+def compile_kernels(dtype: torch.dtype, hidden: int, num_local_experts: int, top_k: int,
+                    max_tokens: int | None = None, *, sms: int, arch: str | None = None) -> int:
+    """Compile every dispatch and combine kernel that `dispatch` / `combine` pick for calls of
+    1..max_tokens tokens (None: any number) of `hidden`-wide `dtype` rows over
+    `num_local_experts` experts with `top_k` picks on a GPU of `sms` SMs, so that no call
+    compiles: each launch shape (the decode
+    dispatch's item classes, combine's narrow and wide decode grids, the prefill launches) is a
+    compile of 0.2-0.7 s on first use otherwise (H200: a decode batch of a new size class took
+    0.45 s instead of 0.035). `arch=None` targets this process's GPU (the runtime case); CPU
+    CI passes "sm_90a" / "sm_100a". Routing and the experts are not covered (their kernels
+    do not depend on the token count beyond the two route modes a prefill and a decode step
+    compile).
+
+    Returns:
+        The number of distinct compiled kernels (all cached: later calls compile nothing).
+
+    Raises:
+        TypeError / ValueError: a dtype or sizes `dispatch` would refuse; max_tokens < 0.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise TypeError(f"dtype must be one of {[str(d) for d in _DTYPE_NAMES]}, got {dtype}")
+    if hidden < 1 or (hidden * dtype.itemsize) % 16 or (max_tokens or 0) < 0:
+        raise ValueError(f"need hidden * element_size a positive multiple of 16 bytes and "
+                         f"max_tokens >= 0, got hidden={hidden}, max_tokens={max_tokens}")
+    _check_top_k(top_k)
+    if not 1 <= num_local_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got "
+                         f"{num_local_experts}")
+    name, compiled = _DTYPE_NAMES[dtype], set()
+    tokens = itertools.count(1) if max_tokens is None else range(1, max_tokens + 1)
+    for T in tokens:  # (the modes move from decode to prefill once, as T grows)
+        modes = (select_dispatch_mode(T, top_k, hidden, dtype),
+                 select_combine_mode(T, top_k, hidden, dtype))
+        fns = (*_dispatch_kernels(name, hidden, num_local_experts, T, top_k, modes[0], arch),
+               _combine_kernel(name, hidden, T, top_k, modes[1], sms, arch))
+        compiled.update(map(id, fns))  # (the cached functions: ids stay valid)
+        if modes == ("prefill", "prefill"):
+            break  # (no shape depends on T from here on)
+    return len(compiled)
 
 
 # ---------------------------------------------------------------------------- expert GEMV

@@ -171,6 +171,14 @@ class Topology(abc.ABC):
         self._layers = n + 1
         return n
 
+    def compile_kernels(self, hidden: int, dtype: torch.dtype, top_k: int,
+                        max_tokens: int | None, device) -> int:
+        """Compile now the kernels that calls of 1..max_tokens tokens (None: any number) of
+        `hidden`-wide `dtype` rows with `top_k` picks on `device` would compile on first use
+        (a serving process's warm-up); returns how many. None here (0): LocalTopology on the
+        cute backend has some (kernels/cute_ops.compile_kernels)."""
+        return 0
+
     def records_collectives(self) -> bool:
         """Whether a CUDA graph capture can record this topology's calls with their
         collectives: no host read in them (checks that read peers' answers are skipped while

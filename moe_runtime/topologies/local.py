@@ -34,3 +34,13 @@ class LocalTopology(Topology):
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
         return h["ops"].combine(expert_y, h["token_slot"], h["topk_weights"])
+
+    def compile_kernels(self, hidden: int, dtype: torch.dtype, top_k: int,
+                        max_tokens: int | None, device) -> int:
+        device = torch.device(device)
+        if resolve_backend(self.backend, device) != "cute":
+            return 0
+        from ..kernels import cute_ops
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return cute_ops.compile_kernels(dtype, hidden, self.num_local_experts, top_k, max_tokens,
+                                        sms=sms)

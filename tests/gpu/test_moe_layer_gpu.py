@@ -134,6 +134,23 @@ def test_graph_replay_equals_eager(layer):
 
 
 @torch.inference_mode()
+def test_warm_up_compiles_what_every_token_count_uses(layer):
+    """After MoELayer.warm_up, forward of any token count compiles no dispatch / combine
+    kernel (each is compiled once, by the warm-up, from emptied compile caches)."""
+    from moe_runtime.kernels import cute_compile as cc
+    getters = (cc.dispatch_decode_fn, cc.dispatch_slots_fn, cc.dispatch_copy_fn, cc.combine_fn)
+    for getter in getters:
+        getter.cache_clear()
+    n = layer.warm_up()
+    compiled = [getter.cache_info().misses for getter in getters]
+    assert n == sum(compiled) and n >= 3, (n, compiled)
+    for T in (1, 2, 3, 5, 8, 9, 16, 17, 33, 34, 64, 65, 128, 129, 256, 257, 300, 1024, 4096):
+        y = layer(tokens(layer, T))
+        assert y.shape == (T, layer.config.hidden_size) and bool(y.isfinite().all())
+    assert [getter.cache_info().misses for getter in getters] == compiled
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("T", (7, 4096))
 def test_forward_does_not_sync(layer, T):
     x = tokens(layer, T)
