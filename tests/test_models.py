@@ -395,8 +395,12 @@ def _dp_graphed_rank(rank: int, world_size: int, model_dir: str):
     prompts = [[5] * 250, [1, 2, 3], [4, 5]] if rank == 0 else []
     runs = [run_requests(model, prompts, range(len(prompts)), SamplingParams(max_new_tokens=8),
                          stop_ids=[], cuda_graphs=graphs) for graphs in (True, False)]
-    return ([r.extra["cuda_graphs"] for r in runs], [r.token_ids for r in runs],
-            _GraphStandIn.log, model.layers[0].mlp.topology.calls)
+    calls, log = model.layers[0].mlp.topology.calls, list(_GraphStandIn.log)
+    # every first token a stop token: graphs agreed on, but no decode step ran
+    stopped = run_requests(model, prompts, range(len(prompts)), SamplingParams(max_new_tokens=8),
+                           stop_ids=range(model.spec.vocab_size))
+    return ([r.extra["cuda_graphs"] for r in runs + [stopped]], [r.token_ids for r in runs],
+            log, calls)
 
 
 def test_dp_ranks_agree_on_graphed_decode_steps(ckpts):
@@ -404,11 +408,12 @@ def test_dp_ranks_agree_on_graphed_decode_steps(ckpts):
     eagerly): rank 1 has no requests and keeps one idle slot; every MoE call of a step has the
     capacity of rank 0's 3 slots; both ranks move to the 512-position bucket at the same step
     (rank 0's sequence of 250 passes 256) with the same dispatch calls behind them; the tokens
-    are the split-size protocol's (eager run)."""
+    are the split-size protocol's (eager run). A run whose requests all stop at their first
+    token reports no graphs (no decode step ran)."""
     from _dist import run_distributed
     (graphed0, ids0, log0, calls0), (graphed1, ids1, log1, calls1) = run_distributed(
         _dp_graphed_rank, 2, ckpts["qwen3-moe"])
-    assert graphed0 == graphed1 == [True, False]
+    assert graphed0 == graphed1 == [True, False, False]
     assert ids0[0] == ids0[1] and ids1 == [[], []] and all(len(t) == 8 for t in ids0[0])
     assert [(b, c) for b, _, c, _ in log0] == [(256, 3), (512, 3)]
     assert [(b, n) for b, n, _, _ in log1] == [(256, 1), (512, 1)]

@@ -138,7 +138,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         cuda_graphs: replay the decode steps from CUDA graphs where the model allows it on
             every rank (decode_graph.graphs_apply: CUDA, one rank or tp / dp_* over NCCL, MoE
             layers whose forward a capture can record) and there are GRAPH_MIN_STEPS of them
-            or more; RankOutput.extra["cuda_graphs"] says whether it did.
+            or more; RankOutput.extra["cuda_graphs"] says whether it did (False when no
+            decode step ran).
 
     Returns:
         RankOutput in the order of `prompts`; finish_reasons "stop" (a stop token) or
@@ -199,7 +200,6 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
 
     limit = moe_tokens_per_call(model)
     decode = _decode_step(model, cache, slots, graphed, capacity)
-    out.extra["cuda_graphs"] = graphed and slots > 0
     _sync(dev)
     while True:
         t0 = time.perf_counter()
@@ -238,6 +238,7 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
         take(generating, logits)
         out.decode_s += time.perf_counter() - t0
     out.decode_tokens = sum(max(len(t) - 1, 0) for t in out.token_ids)
+    out.extra["cuda_graphs"] = graphed and slots > 0 and out.steps > 0
     return out
 
 
