@@ -6,15 +6,17 @@
 
 Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops generation, kills the rank actors and stops
 an embedded Ray: no Ray processes are left behind. Exit codes: 0 ok, 1 error (a missing
-dependency included: one line with the install command), 2 usage (a bad argument value, checked
-before anything starts; for generate/demo also a prompt that is empty or too long for the model,
-a world size that does not divide the experts, or a topology that does not fit it: all checked
-before Ray starts), 130 interrupted.
+dependency included: one line with the install command; a damaged checkpoint), 2 usage (a bad
+argument value, checked before anything starts; for make-checkpoint also an OUT_DIR that is a
+file, not empty or not writable; for generate/demo also a --model that is not a directory, a
+prompt that is empty or too long for the model, a world size that does not divide the experts,
+or a topology that does not fit it: all checked before Ray starts), 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 from typing import Optional, Sequence
@@ -207,15 +209,18 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     model.
 
     Raises:
-        UsageError: a prompt that is empty or too long, a world size that does not divide the
-            experts, a topology that does not fit the world size, or a --ray-address that is
-            empty or an http(s) URL.
+        UsageError: a model_dir that is not a directory, a prompt that is empty or too long,
+            a world size that does not divide the experts, a topology that does not fit the
+            world size, or a --ray-address that is empty or an http(s) URL.
         FileNotFoundError, ValueError (CheckpointError): no config.json, no weights, no
             tokenizer, bad config.
     """
     from .engine.driver import (check_prompts, check_ray_address, check_weights, check_world_size,
                                 choose_topology, load_tokenizer)
     from .models import read_spec
+    if not os.path.isdir(model_dir):
+        raise UsageError(f"--model {model_dir}: " + ("not a directory" if os.path.exists(model_dir)
+                                                     else "no such directory"))
     spec = read_spec(model_dir, args.dtype)[0]
     check_weights(model_dir)
     world_size = args.world_size
@@ -230,7 +235,9 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
         if args.topology != "auto":
             choose_topology(args.topology, world_size)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        demo = " (the demo runs --world-size 2 unless told otherwise)" if (
+            args.command == "demo" and "world size" in str(e)) else ""
+        raise UsageError(f"{e}{demo}") from None
     tokenizer = load_tokenizer(model_dir)
     try:
         check_prompts([tokenizer(p)["input_ids"] for p in prompts], spec, args.max_new_tokens)
@@ -256,7 +263,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
     ignored = [f for f, on in (("--top-k", args.top_k is not None), ("--top-p", args.top_p != 1.0),
                                ("--seed", args.seed != 0)) if on]
     if ignored and args.temperature == 0:
-        print(f"note: {', '.join(ignored)} apply when sampling (--temperature > 0); decoding "
+        print(f"note: {', '.join(ignored)} appl{'ies' if len(ignored) == 1 else 'y'} when sampling (--temperature > 0); decoding "
               "greedily", file=sys.stderr, flush=True)
     engine = None
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
@@ -309,8 +316,12 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
                 check_arch_preset(args.arch, args.preset)
             except ValueError as e:
                 raise UsageError(str(e)) from None
-            make_checkpoint(args.out_dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype,
-                            max_shard_size=args.max_shard_size, force=args.force)
+            try:  # (its ValueErrors are argument checks made before anything is written)
+                make_checkpoint(args.out_dir, args.arch, args.preset, seed=args.seed,
+                                dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                force=args.force)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
             what = "config + tokenizer only (use --force for weights)" if (
                 args.preset == "qwen3-30b-a3b" and not args.force) else "weights + tokenizer"
             print(f"wrote {args.arch} {args.preset} checkpoint ({what}) to {args.out_dir}")

@@ -95,7 +95,7 @@ def test_make_checkpoint_cli_writes_hf_loadable_sharded_mixtral(tmp_path, capsys
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok("hello world")["input_ids"]) == "hello world"
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "MixtralForCausalLM"
-    assert cli_main(["make-checkpoint", "--preset", "tiny", out]) == 1  # not empty
+    assert cli_main(["make-checkpoint", "--preset", "tiny", out]) == 2  # not empty
     assert "not empty" in capsys.readouterr().err
 
 
@@ -208,7 +208,15 @@ def test_ray_job_submit_runs_the_deploy_entry(ckpt, short_tmp):
 
 
 def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
-    assert cli_main(["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"]) == 1
+    """A --model that is no directory is a usage error (2), as a missing --prompts-file is;
+    a directory without a checkpoint is an error (1)."""
+    assert cli_main(["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"]) == 2
+    assert f"--model {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert cli_main(["generate", "--model", str(tmp_path / "config.json"), "--prompt", "hi"]) == 2
+    assert "config.json: not a directory" in capsys.readouterr().err
+    (tmp_path / "config.json").unlink()
+    assert cli_main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 1
     assert "no config.json" in capsys.readouterr().err
 
 
@@ -253,7 +261,7 @@ def test_make_checkpoint_refuses_unusable_paths_and_seeds_before_writing(tmp_pat
     for out, message in ((str(a_file), f"{a_file} exists and is not a directory"),
                          ("", "out_dir must be a directory path"),
                          (str(a_file / "x"), f"cannot write a checkpoint at {a_file / 'x'}")):
-        assert cli_main(["make-checkpoint", out]) == 1
+        assert cli_main(["make-checkpoint", out]) == 2  # (usage: checked before writing)
         err = capsys.readouterr().err
         assert err.startswith(f"moe-runtime: error: {message}") and len(err.splitlines()) == 1
     assert sorted(os.listdir(tmp_path)) == ["prompts.txt"]  # no temporary directory left
@@ -327,15 +335,21 @@ def test_generate_input_errors_are_found_before_ray_starts(ckpt, capsys, no_engi
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--top-k", "5", "--seed", "3"], "--top-k, --seed"), (["--top-p", "0.9"], "--top-p"),
+    (["--top-k", "5", "--seed", "3"], "--top-k, --seed apply"), (["--top-p", "0.9"], "--top-p applies"),
     (["--top-k", "5", "--temperature", "0.7"], None)])
 def test_sampling_options_without_temperature_are_named_as_unused(ckpt, capsys, no_engine, argv,
                                                                    named):
     with pytest.raises(AssertionError, match="the Engine was started"):
         cli_main(["generate", "--model", str(ckpt), "--prompt", "hi"] + argv)
     err = capsys.readouterr().err
-    assert (f"note: {named} apply when sampling (--temperature > 0); decoding greedily" in err
+    assert (f"note: {named} when sampling (--temperature > 0); decoding greedily" in err
             if named else "note:" not in err)
+
+
+def test_demo_with_a_topology_for_one_rank_names_its_world_size(capsys, no_engine):
+    assert cli_main(["demo", "--topology", "local"]) == 2
+    assert ("topology 'local' needs world size 1, got 2 (the demo runs --world-size 2 unless "
+            "told otherwise)") in capsys.readouterr().err
 
 
 def test_generate_without_weights_fails_before_ray_starts(ckpt, tmp_path, capsys, no_engine):

@@ -501,6 +501,33 @@ def test_a_silent_address_fails_fast():
         assert time.monotonic() - t0 < 5
 
 
+def test_auto_resolving_to_a_dead_recorded_cluster_fails_fast(tmp_path, monkeypatch):
+    """ray_address 'auto' with a cluster that a `ray start` recorded and that has died since:
+    ray.init would retry it without end (found by a fresh-user trial); the address Ray resolves
+    'auto' to is checked like any other."""
+    import socket
+
+    from ray._private import services
+
+    from moe_runtime.engine.driver import _check_reachable
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])  # (no GCS runs here)
+    t0 = time.monotonic()
+    # (Ray resolves 127.0.0.1 to this node's address)
+    with pytest.raises(ConnectionError, match=rf"ray_address 'auto' is the cluster at "
+                                              rf"'[^']*:{port}' .* cannot be reached"):
+        _check_reachable("auto", 2.0)
+    assert time.monotonic() - t0 < 5
+    (tmp_path / "ray" / "ray_current_cluster").unlink()  # nothing recorded: Ray's own error
+    _check_reachable("auto", 2.0)
+
+
 def test_an_ignored_sigint_stays_ignored_during_ray_init(monkeypatch):
     """A background job (SIGINT ignored, as deploy/README.md runs it) is not made
     interruptible by the Ctrl-C holding around ray.init."""

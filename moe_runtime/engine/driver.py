@@ -753,16 +753,42 @@ def check_ray_address(address, source: str = "ray_address") -> None:
                          f"API, which `ray job submit` takes); {_GCS_HINT}")
 
 
+def _auto_address() -> Optional[str]:
+    """The host:port that ray.init(address="auto") connects to (RAY_ADDRESS, the cluster the
+    last `ray start` on this node recorded, or a GCS running here; Ray's own lookup,
+    ray._private.services.canonicalize_bootstrap_address), or None when it finds none or the
+    lookup is not where Ray 2.40-2.60 keep it."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+        return canonicalize_bootstrap_address("auto")
+    except Exception:  # (none found: ray.init says so itself; another Ray layout)
+        return None
+
+
 def _check_reachable(address: str, timeout_s: float) -> None:
     """Fail fast on a Ray address nobody listens on, that never answers, or that answers HTTP
     (Ray's dashboard, port 8265 by default): ray.init would retry any of them without end.
+    "auto" is checked as the address Ray resolves it to (`_auto_address`): a cluster recorded
+    by a `ray start` that has since died would hang ray.init the same way.
 
     Raises:
         ConnectionError: naming the address, when "host:port" refuses or times out a TCP
             connect, sends nothing, or answers an HTTP request.
     """
     import socket
-    if address == "auto" or address.startswith("ray://") or ":" not in address:
+    if address == "auto":
+        recorded = _auto_address()
+        if recorded is None:
+            return  # (ray.init raises at once: no cluster found)
+        try:
+            _check_reachable(recorded, timeout_s)
+        except ConnectionError as e:
+            raise ConnectionError(
+                f"ray_address 'auto' is the cluster at {recorded!r} (the one `ray start` last "
+                f"recorded on this node, or RAY_ADDRESS), which cannot be reached: {e}. Start "
+                "one (`ray start --head`) or pass the live cluster's GCS host:port") from e
+        return
+    if address.startswith("ray://") or ":" not in address:
         return
     host, _, port = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:port
