@@ -228,9 +228,10 @@ def test_generate_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
-    (["--timeout", "0"], "argument --timeout: must be finite and >= 0.001 (seconds), got 0"),
-    (["--timeout", "inf"], "argument --timeout: must be finite and >= 0.001 (seconds), got inf"),
-    (["--timeout", "0.0005"], "argument --timeout: must be finite and >= 0.001 (seconds), got 0.0005")])
+    (["--timeout", "0"], "argument --timeout: must be in [0.001, 1e+06] (seconds), got 0"),
+    (["--timeout", "inf"], "argument --timeout: must be in [0.001, 1e+06] (seconds), got inf"),
+    (["--timeout", "1e10"], "argument --timeout: must be in [0.001, 1e+06] (seconds), got 1e10"),
+    (["--timeout", "0.0005"], "argument --timeout: must be in [0.001, 1e+06] (seconds), got 0.0005")])
 def test_generate_argument_value_errors_are_usage_errors(tmp_path, capsys, argv, message):
     """Exit 2 (usage) with argparse's message, before anything is read or started."""
     with pytest.raises(SystemExit) as e:

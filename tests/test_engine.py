@@ -158,8 +158,11 @@ def test_continuous_batching_gives_the_same_completions(engines, ckpt, reference
         assert res.per_rank[0].steps < 3 * (NEW - 1)
     assert ids_of(eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW),
                                max_batch_size=1)) == reference
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+    for bad, error, msg in ((0, ValueError, "max_batch_size must be >= 1"),
+                            (-1, ValueError, "max_batch_size must be >= 1"),
+                            (2.5, TypeError, "max_batch_size must be an int"),
+                            (True, TypeError, "max_batch_size must be an int")):
+        with pytest.raises(error, match=msg):
             eng.generate(PROMPTS, params, max_batch_size=bad)
 
 
@@ -558,6 +561,14 @@ def test_indivisible_world_size_and_bad_timeout_fail_before_ray_starts(ckpt):
         Engine(ckpt, world_size=1, topology="local", backend="triton")
     with pytest.raises(TypeError, match="world_size must be an int, got str '2'"):
         Engine(ckpt, world_size="2", topology="local")
+    # bounds Ray and torch.distributed overflow on (inf, 1e10 and 1e14 s failed after Ray started)
+    for bad in (float("inf"), float("nan"), 1e10):
+        with pytest.raises(ValueError, match=r"timeout_s must be > 0 and <= 1e\+06 s"):
+            Engine(ckpt, world_size=1, topology="local", timeout_s=bad)
+    for bad, msg in (("30", "timeout_s must be a number, got str '30'"),
+                     (True, "timeout_s must be a number, got bool True")):
+        with pytest.raises(TypeError, match=msg):
+            Engine(ckpt, world_size=1, topology="local", timeout_s=bad)
     assert ray.is_initialized() == started
 
 
@@ -825,6 +836,22 @@ def test_bad_sampling_params_never_reach_the_ranks(ckpt):
     with pytest.raises(ValueError, match=r"stop_token_ids \[1000000000000000000000000000000\] are "
                                          r"outside the vocabulary"):
         eng.generate_ids([[1]], SamplingParams(max_new_tokens=4, stop_token_ids=[10**30, 1]))
+    # token ids that are not ints (ids from a JSON payload as strings killed every rank; a
+    # string prompt's characters became ids; floats were truncated)
+    for bad, msg in ((["123"], r"prompt 0 must be a sequence of token ids, got str '123'"),
+                     ([[1, "5"]], r"prompt 0 token 1 must be an int, got str '5'"),
+                     ([[1], [2.5]], r"prompt 1 token 0 must be an int, got float 2.5"),
+                     ([[True]], r"prompt 0 token 0 must be an int, got bool True"),
+                     ("12", "prompt_ids must be a list of token id lists, got str"),
+                     ([7], "prompt 0 must be a sequence of token ids, got int 7")):
+        with pytest.raises(TypeError, match=msg):
+            eng.generate_ids(bad, SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="prompts labels 1 completions, prompt_ids has 2"):
+        eng.generate_ids([[1], [2]], SamplingParams(max_new_tokens=4), prompts=["one"])
+    with pytest.raises(TypeError, match="max_batch_size must be an int, got float 2.0"):
+        eng.generate_ids([[1]], SamplingParams(max_new_tokens=4), max_batch_size=2.0)
+    with pytest.raises(TypeError, match="prompts must be a str or a list of str, got dict"):
+        eng.generate({"a": 1}, SamplingParams(max_new_tokens=4))
     assert eng.workers == ["a live rank"]
 
 

@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .sampler import SamplingParams
+from .sampler import SamplingParams, as_int, as_real
 from .scheduler import RankOutput, assign_requests
 
 log = logging.getLogger("moe_runtime")
@@ -35,6 +35,9 @@ def _current_gcs(ray) -> Optional[str]:
         return None
 
 TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
+# the longest bound a phase may have (~11.6 days): Ray's and torch.distributed's waits overflow
+# further up (1e10 s: the rendezvous' socket timeout, inf: ray.wait)
+MAX_TIMEOUT_S = 1e6
 
 
 _SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent, _advanced)
@@ -124,6 +127,28 @@ def check_texts(prompts: Sequence[str]) -> None:
                              f"{e.start}: {p[max(0, e.start - 10):e.end + 10]!r})") from None
 
 
+def token_id_lists(prompt_ids) -> list[list[int]]:
+    """prompt_ids as one list of Python ints per prompt.
+
+    Raises:
+        TypeError: a str / bytes / mapping where the prompts or one prompt's ids should be, a
+            prompt that is not a sequence, or a token id that is not an int (`as_int`), each
+            named by its prompt (and position).
+    """
+    if isinstance(prompt_ids, (str, bytes, bytearray, dict)) or not hasattr(prompt_ids,
+                                                                             "__iter__"):
+        raise TypeError(f"prompt_ids must be a list of token id lists, got "
+                        f"{type(prompt_ids).__name__}")
+    out = []
+    for i, p in enumerate(prompt_ids):
+        if isinstance(p, (str, bytes, bytearray, dict)) or not hasattr(p, "__len__"):
+            raise TypeError(f"prompt {i} must be a sequence of token ids, got "
+                            f"{type(p).__name__} {p!r:.60} (text goes to Engine.generate)")
+        out.append([t if type(t) is int else as_int(f"prompt {i} token {j}", t)  # (fast path:
+                    for j, t in enumerate(p)])  # a tokenizer's ids)
+    return out
+
+
 def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int) -> None:
     """The checks of a batch of tokenized prompts that Engine.generate_ids makes before anything
     reaches the ranks; callable without an engine (the CLI runs them before Ray starts).
@@ -135,14 +160,18 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
         max_new_tokens: the tokens to generate per prompt.
 
     Raises:
+        TypeError: a prompt that is a str / bytes or not a sequence, or a token id that is not
+            an int (a bool, a float or a str such as "5" included; numpy integers and
+            one-element integer tensors are ints).
         ValueError: a prompt without tokens (named by its index), a token id outside
             [0, vocab_size), or the longest prompt + max_new_tokens over max_position_embeddings.
     """
+    prompt_ids = token_id_lists(prompt_ids)
     empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
     if empty:
         raise ValueError(f"prompt {empty[0]} is empty: every prompt must have at least one token")
     vocab = spec.vocab_size
-    bad = [(i, t) for i, p in enumerate(prompt_ids) for t in p if not 0 <= int(t) < vocab]
+    bad = [(i, t) for i, p in enumerate(prompt_ids) for t in p if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"token ids must be in [0, vocab_size={vocab}); prompt {bad[0][0]} has "
                          f"{bad[0][1]}")
@@ -228,9 +257,9 @@ class Engine:
             warning, and the placement waits up to timeout_s (an autoscaler may add GPU nodes).
         dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
         backend: kernel backend ("auto", "reference", "cute").
-        timeout_s: bound on every phase (placement, rendezvous, collectives, load); generate
-            may take longer as long as its ranks make progress (a decoder layer of a forward
-            pass) within every timeout_s.
+        timeout_s: bound on every phase (placement, rendezvous, collectives, load), seconds in
+            (0, MAX_TIMEOUT_S]; generate may take longer as long as its ranks make progress
+            (a decoder layer of a forward pass) within every timeout_s.
         progress: tqdm bars while loading (shown through Ray's log forwarding).
         ray_init_kwargs: extra ray.init arguments for the embedded start.
         cuda_graphs: replay each decode step from a CUDA graph where every rank allows it
@@ -246,9 +275,9 @@ class Engine:
         TimeoutError: the cluster could not place world_size ranks within timeout_s.
         ConnectionError: ray_address (or RAY_ADDRESS) names a cluster that cannot be reached
             or joined.
-        TypeError: world_size not an int.
-        ValueError: bad arguments (before Ray starts), unsupported model_type or dtype, or GPU ranks on an embedded
-            Ray with fewer GPUs than world_size.
+        TypeError: world_size not an int, timeout_s not a number.
+        ValueError: bad arguments (before Ray starts), unsupported model_type or dtype, or GPU
+            ranks on an embedded Ray with fewer GPUs than world_size.
     """
 
     _ray_gcs: Optional[str] = None  # the GCS address of the Ray this engine runs on
@@ -258,14 +287,14 @@ class Engine:
                  dtype: str = "auto", backend: str = "auto", timeout_s: float = 120.0,
                  progress: bool = True, ray_init_kwargs: Optional[dict] = None,
                  cuda_graphs: bool = True):
-        if isinstance(world_size, bool) or not isinstance(world_size, int):
-            raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
+        world_size = as_int("world_size", world_size)
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if backend not in ("auto", "reference", "cute"):
             raise ValueError(f"backend must be auto, reference or cute, got {backend!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        timeout_s = as_real("timeout_s", timeout_s)
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:  # (NaN fails too)
+            raise ValueError(f"timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g} s, got {timeout_s}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if topology not in TOPOLOGY_CHOICES:
@@ -611,10 +640,15 @@ class Engine:
                 the vocabulary, prompt + max_new_tokens over max_position_embeddings, a prompt
                 that is not UTF-8 text (e.g. a lone surrogate from undecodable bytes), or
                 max_batch_size < 1.
-            TypeError: also a prompt that is not a str (use generate_ids for token ids).
+            TypeError: also a prompt that is not a str (use generate_ids for token ids), or
+                max_batch_size not an int. generate_ids: a prompt that is not a sequence of
+                int token ids (`token_id_lists`); ValueError: `prompts` labels of another
+                length than prompt_ids. All before anything reaches the ranks.
         """
-        if isinstance(prompts, (bytes, bytearray)):
-            raise TypeError("prompts must be a str or a list of str, got bytes (decode it first)")
+        if isinstance(prompts, (bytes, bytearray, dict)):
+            raise TypeError(f"prompts must be a str or a list of str, got "
+                            f"{type(prompts).__name__}" + (" (decode it first)" if isinstance(
+                                prompts, (bytes, bytearray)) else ""))
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # (str: one prompt,
         # as vLLM's LLM.generate takes it; an iterator is read once)
         check_texts(prompts)
@@ -631,11 +665,18 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(
-                max_batch_size, int) or max_batch_size < 1):
-            raise ValueError(f"max_batch_size must be an int >= 1 or None, got {max_batch_size!r}")
+        if max_batch_size is not None:
+            max_batch_size = as_int("max_batch_size", max_batch_size)
+            if max_batch_size < 1:
+                raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
         params.validate()  # a field changed after construction must not reach (and kill) the ranks
+        prompt_ids = token_id_lists(prompt_ids)
         check_prompts(prompt_ids, self.spec, params.max_new_tokens)
+        if prompts is not None:
+            prompts = list(prompts)
+            if len(prompts) != len(prompt_ids):
+                raise ValueError(f"prompts labels {len(prompts)} completions, prompt_ids has "
+                                 f"{len(prompt_ids)}")
         outside = [t for t in params.stop_token_ids or () if not 0 <= t < self.spec.vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, "

@@ -56,9 +56,9 @@ class SamplingParams:
             TypeError, ValueError: as the constructor.
         """
         for name in ("max_new_tokens", "seed") + (("top_k",) if self.top_k is not None else ()):
-            object.__setattr__(self, name, _int(name, getattr(self, name)))
+            object.__setattr__(self, name, as_int(name, getattr(self, name)))
         for name in ("temperature", "top_p"):
-            object.__setattr__(self, name, _real(name, getattr(self, name)))
+            object.__setattr__(self, name, as_real(name, getattr(self, name)))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,10 +73,10 @@ class SamplingParams:
                 raise TypeError(f"stop_token_ids must be a sequence of ints or None, got "
                                 f"{type(ids).__name__} {ids!r}")
             object.__setattr__(self, "stop_token_ids",
-                               tuple(_int("a stop token id", t) for t in ids))
+                               tuple(as_int("a stop token id", t) for t in ids))
 
 
-def _int(name: str, value) -> int:
+def as_int(name: str, value) -> int:
     """value as an int (numpy integers and one-element integer tensors included). Raises
     TypeError for a bool, a float or anything else."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
@@ -87,7 +87,7 @@ def _int(name: str, value) -> int:
     return int(value)
 
 
-def _real(name: str, value) -> float:
+def as_real(name: str, value) -> float:
     """value as a float (ints, numpy numbers and one-element real tensors included). Raises
     TypeError for a bool, a string or anything else."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
