@@ -170,8 +170,9 @@ class MoELayer(nn.Module):
         """Compile now what forward of 1..max_tokens tokens (None: any number) would compile on
         first use, on the router weight's device: the topology's dispatch and combine kernels
         for every launch shape (Topology.compile_kernels: the local topology's cute kernels) and
-        the experts' grouped GEMM tiles (Experts.warm_up). A forward of one token and one of a
-        prefill's size then compile the rest (routing). Returns the number of dispatch / combine
+        the experts' grouped GEMM tiles (Experts.warm_up). A forward of one token and one of
+        more than cute_compile.ROUTE_DECODE_MAX_TOKENS tokens then compile the rest (the two
+        routing launch shapes, the decode GEMV). Returns the number of dispatch / combine
         kernels the topology compiled (or found compiled)."""
         device = self.router.weight.device
         n = self.topology.compile_kernels(self.config.hidden_size, self.dtype, self.config.top_k,
