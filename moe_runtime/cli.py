@@ -263,7 +263,8 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
     ignored = [f for f, on in (("--top-k", args.top_k is not None), ("--top-p", args.top_p != 1.0),
                                ("--seed", args.seed != 0)) if on]
     if ignored and args.temperature == 0:
-        print(f"note: {', '.join(ignored)} appl{'ies' if len(ignored) == 1 else 'y'} when sampling (--temperature > 0); decoding "
+        verb = "applies" if len(ignored) == 1 else "apply"
+        print(f"note: {', '.join(ignored)} {verb} when sampling (--temperature > 0); decoding "
               "greedily", file=sys.stderr, flush=True)
     engine = None
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
@@ -311,11 +312,7 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
     try:
         args = (parser or build_parser()).parse_args(argv)
         if args.command == "make-checkpoint":
-            from .models.make_checkpoint import check_arch_preset, make_checkpoint
-            try:
-                check_arch_preset(args.arch, args.preset)
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+            from .models.make_checkpoint import make_checkpoint
             try:  # (its ValueErrors are argument checks made before anything is written)
                 make_checkpoint(args.out_dir, args.arch, args.preset, seed=args.seed,
                                 dtype=args.dtype, max_shard_size=args.max_shard_size,

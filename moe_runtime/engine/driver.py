@@ -149,7 +149,8 @@ def token_id_lists(prompt_ids) -> list[list[int]]:
     return out
 
 
-def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int) -> None:
+def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
+                  ) -> list[list[int]]:
     """The checks of a batch of tokenized prompts that Engine.generate_ids makes before anything
     reaches the ranks; callable without an engine (the CLI runs them before Ray starts).
 
@@ -158,6 +159,9 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
         spec: the checkpoint's ModelSpec (vocab_size, max_position_embeddings), e.g.
             moe_runtime.models.read_spec(model_dir)[0].
         max_new_tokens: the tokens to generate per prompt.
+
+    Returns:
+        The prompts as lists of Python ints (`token_id_lists`).
 
     Raises:
         TypeError: a prompt that is a str / bytes or not a sequence, or a token id that is not
@@ -180,6 +184,7 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
     if longest is not None and len(prompt_ids[longest]) + max_new_tokens > limit:
         raise ValueError(f"prompt {longest} ({len(prompt_ids[longest])} tokens) + max_new_tokens "
                          f"({max_new_tokens}) exceeds max_position_embeddings ({limit})")
+    return prompt_ids
 
 
 def check_world_size(spec, world_size: int, tensor_parallel: bool = False) -> None:
@@ -670,8 +675,7 @@ class Engine:
             if max_batch_size < 1:
                 raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
         params.validate()  # a field changed after construction must not reach (and kill) the ranks
-        prompt_ids = token_id_lists(prompt_ids)
-        check_prompts(prompt_ids, self.spec, params.max_new_tokens)
+        prompt_ids = check_prompts(prompt_ids, self.spec, params.max_new_tokens)
         if prompts is not None:
             prompts = list(prompts)
             if len(prompts) != len(prompt_ids):

@@ -141,6 +141,11 @@ def _check_top_k(k: int) -> None:
         raise ValueError(f"top_k must be in [1, {MAX_TOP_K}], got {k}")
 
 
+def _check_num_local_experts(n: int) -> None:
+    if not 1 <= n <= MAX_EXPERTS:
+        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got {n}")
+
+
 # ---------------------------------------------------------------------------------- route
 def route(
     logits: torch.Tensor,
@@ -266,9 +271,7 @@ def _check_dispatch(x, topk_ids, expert_start, num_local_experts, align) -> tupl
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has {x.shape[0]}")
     _check_hidden("x", x)
     _check_top_k(topk_ids.shape[1])
-    if not 1 <= num_local_experts <= MAX_EXPERTS:
-        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got "
-                         f"{num_local_experts}")
+    _check_num_local_experts(num_local_experts)
     if align < 1 or expert_start < 0:
         raise ValueError(f"need align >= 1 and expert_start >= 0, got align={align}, "
                          f"expert_start={expert_start}")
@@ -433,9 +436,7 @@ def compile_kernels(dtype: torch.dtype, hidden: int, num_local_experts: int, top
         raise ValueError(f"need hidden * element_size a positive multiple of 16 bytes and "
                          f"max_tokens >= 0, got hidden={hidden}, max_tokens={max_tokens}")
     _check_top_k(top_k)
-    if not 1 <= num_local_experts <= MAX_EXPERTS:
-        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got "
-                         f"{num_local_experts}")
+    _check_num_local_experts(num_local_experts)
     name, compiled = _DTYPE_NAMES[dtype], set()
     tokens = itertools.count(1) if max_tokens is None else range(1, max_tokens + 1)
     for T in tokens:  # (the modes move from decode to prefill once, as T grows)

@@ -480,7 +480,7 @@ def _id_column(hidden: int, dtype: torch.dtype) -> tuple[int, int]:
     """(first column, row width) of a fixed-capacity dispatch row of `hidden` elements of
     `dtype` followed by one int32 expert id: the id starts at the first 4-byte boundary past
     the row, so a view of columns [first column:] as int32 is legal."""
-    per_id = max(1, 4 // torch.empty((), dtype=dtype).element_size())
+    per_id = max(1, 4 // dtype.itemsize)
     col = -(-hidden // per_id) * per_id
     return col, col + per_id
 

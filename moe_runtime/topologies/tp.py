@@ -51,8 +51,8 @@ class TPTopology(PeerBufferTopology):
     combine(expert_y [>= N, H]) -> y [T, H] in expert_y.dtype, identical on every rank.
     Every rank must pass the same x, topk_ids and topk_weights: the reference backend checks
     the token count and hidden size (a small all-reduce before the combine's; ValueError on
-    every rank; not inside a CUDA graph capture, module docstring), the cute one the token count and the call's site in its kernel (module
-    docstring).
+    every rank; not inside a CUDA graph capture, module docstring), the cute one the token
+    count and the call's site in its kernel (module docstring).
     Constructor arguments and errors: see PeerBufferTopology and GroupTopology
     (max_tokens_per_rank bounds T, the replicated batch); combine raises CollectiveError
     (reference) or PeerTimeoutError / PeerDataError (cute) when a peer stalls or dies.
