@@ -48,7 +48,13 @@ from . import _log_once
 # DeepSeek-V3 at r = 256-320 (10.3-12.3 against 7.1-9.4 ms); inside the Qwen3-30B-A3B layer at
 # T = 4096 (five interleaved rounds) the gain did not show: gate/up 394-526 against 396-434 us,
 # layer 681-758 against 710-756 us (the kernel durations there move by 10-20% between rounds,
-# with the power state of the GPU), so no rule was added for it.
+# with the power state of the GPU), so no rule was added for it. quack's scheduler knobs on
+# these tiles (Qwen3-30B-A3B T = 4096, four interleaved rounds, best gate/up + down in us;
+# bench_out diagnostic swz.py, 2026-12-01): static persistent with max_swizzle_size 8 (the
+# default kept here) 429.6 + 232.7; swizzle 1 427.8 + 237.3, 2 432.0 + 247.4, 16 449.6 + 235.5;
+# the dynamic persistent scheduler 455.5 + 245.4, and with cluster 1x1 432.0 + 252.1. None
+# gains. (The varlen scheduler walks expert by expert, and one expert's 2-3 M tiles by 8-16 N
+# tiles fit in one wave of 132 CTAs whatever the swizzle, which would explain it; not checked.)
 # quack's gather_A (A_idx: the gate/up GEMM reads x's rows through a slot -> token index, so
 # the dispatch would not copy rows) loads A with cp.async on sm_90 and needs cluster_n = 1; on
 # the H200 (graph replay, best of three interleaved rounds, same outputs bit for bit) it was
