@@ -99,7 +99,7 @@ RAY_ADDRESS_HELP = ('join this Ray cluster ("auto" or host:port); default: $RAY_
 
 def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDRESS_HELP) -> None:
     """Arguments shared by generate and demo (and the deploy job entry)."""
-    from .engine.driver import MAX_TIMEOUT_S, TOPOLOGY_CHOICES
+    from .engine.driver import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TOPOLOGY_CHOICES
     p.add_argument("--world-size", type=_int_at_least(1), default=1, help="ranks, one Ray actor each")
     p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto",
                    help="how ranks exchange tokens (auto: picked from the cluster)")
@@ -123,8 +123,8 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
                    help="auto: GPU ranks when the Ray cluster has any GPU, else CPU ranks")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="compute dtype (auto: the checkpoint's)")
-    p.add_argument("--timeout", type=_float_in(f"in [0.001, {MAX_TIMEOUT_S:g}] (seconds)",
-                                               lambda t: 1e-3 <= t <= MAX_TIMEOUT_S),
+    p.add_argument("--timeout", type=_float_in(f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] (seconds)",
+                                               lambda t: MIN_TIMEOUT_S <= t <= MAX_TIMEOUT_S),
                    default=300.0,
                    help="bound on each phase (start, load), seconds; generation may run "
                         "longer while it makes progress within every such interval")
@@ -267,6 +267,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         print(f"note: {', '.join(ignored)} {verb} when sampling (--temperature > 0); decoding "
               "greedily", file=sys.stderr, flush=True)
     engine = None
+    previous_int = signal.getsignal(signal.SIGINT)  # (restored as found: SIG_IGN under nohup)
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
         engine = Engine(model_dir, world_size=args.world_size, topology=args.topology,
@@ -288,7 +289,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         if engine is not None:
             engine.shutdown()
         _stop_ray()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, previous_int)
         signal.signal(signal.SIGTERM, previous_term)
 
 

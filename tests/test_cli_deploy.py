@@ -347,6 +347,24 @@ def test_sampling_options_without_temperature_are_named_as_unused(ckpt, capsys, 
             if named else "note:" not in err)
 
 
+@pytest.mark.parametrize("handler", [signal.SIG_IGN, lambda signum, frame: None],
+                         ids=["ignored", "own"])
+def test_generate_restores_the_callers_signal_handlers(ckpt, no_engine, handler):
+    """(cli.main left SIGINT at Python's default handler: an ignored SIGINT under nohup, or a
+    host program's own handler, was replaced.)"""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+        with pytest.raises(AssertionError, match="the Engine was started"):
+            cli_main(["generate", "--model", str(ckpt), "--prompt", "hi"])
+        assert signal.getsignal(signal.SIGINT) is handler
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
 def test_demo_with_a_topology_for_one_rank_names_its_world_size(capsys, no_engine):
     assert cli_main(["demo", "--topology", "local"]) == 2
     assert ("topology 'local' needs world size 1, got 2 (the demo runs --world-size 2 unless "

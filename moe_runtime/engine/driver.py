@@ -36,8 +36,10 @@ def _current_gcs(ray) -> Optional[str]:
 
 TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
 # the longest bound a phase may have (~11.6 days): Ray's and torch.distributed's waits overflow
-# further up (1e10 s: the rendezvous' socket timeout, inf: ray.wait)
+# further up (1e10 s: the rendezvous' socket timeout, inf: ray.wait); the shortest, c10d's
+# whole millisecond (comm.groups.check_timeout_s, which the ranks apply)
 MAX_TIMEOUT_S = 1e6
+MIN_TIMEOUT_S = 1e-3
 
 
 _SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent, _advanced)
@@ -263,7 +265,7 @@ class Engine:
         dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
         backend: kernel backend ("auto", "reference", "cute").
         timeout_s: bound on every phase (placement, rendezvous, collectives, load), seconds in
-            (0, MAX_TIMEOUT_S]; generate may take longer as long as its ranks make progress
+            [MIN_TIMEOUT_S, MAX_TIMEOUT_S] (1 ms .. ~11.6 days); generate may take longer as long as its ranks make progress
             (a decoder layer of a forward pass) within every timeout_s.
         progress: tqdm bars while loading (shown through Ray's log forwarding).
         ray_init_kwargs: extra ray.init arguments for the embedded start.
@@ -298,8 +300,9 @@ class Engine:
         if backend not in ("auto", "reference", "cute"):
             raise ValueError(f"backend must be auto, reference or cute, got {backend!r}")
         timeout_s = as_real("timeout_s", timeout_s)
-        if not 0 < timeout_s <= MAX_TIMEOUT_S:  # (NaN fails too)
-            raise ValueError(f"timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g} s, got {timeout_s}")
+        if not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:  # (NaN fails too)
+            raise ValueError(f"timeout_s must be in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] s, got "
+                             f"{timeout_s}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if topology not in TOPOLOGY_CHOICES:
