@@ -844,7 +844,11 @@ def test_bad_sampling_params_never_reach_the_ranks(ckpt):
                      ([[1], [2.5]], r"prompt 1 token 0 must be an int, got float 2.5"),
                      ([[True]], r"prompt 0 token 0 must be an int, got bool True"),
                      ("12", "prompt_ids must be a list of token id lists, got str"),
-                     ([7], "prompt 0 must be a sequence of token ids, got int 7")):
+                     ([7], "prompt 0 must be a sequence of token ids, got int 7"),
+                     ([memoryview(b"ab")], "prompt 0 must be a sequence of token ids, got "
+                                           "memoryview"),
+                     ([{3, 1, 2}], "prompt 0 must be a sequence of token ids, got set"),
+                     ({(1, 2), (3,)}, "prompt_ids must be a list of token id lists, got set")):
         with pytest.raises(TypeError, match=msg):
             eng.generate_ids(bad, SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="prompts labels 1 completions, prompt_ids has 2"):

@@ -10,6 +10,7 @@ group before returning, so nothing is left running. `shutdown()` also stops an e
 """
 from __future__ import annotations
 
+import collections.abc
 import logging
 import os
 import time
@@ -129,21 +130,25 @@ def check_texts(prompts: Sequence[str]) -> None:
                              f"{e.start}: {p[max(0, e.start - 10):e.end + 10]!r})") from None
 
 
+# iterables that are not lists of token ids: text and bytes (ids of characters), mappings and
+# sets (no order)
+_NOT_ID_LISTS = (str, bytes, bytearray, memoryview, collections.abc.Mapping, collections.abc.Set)
+
+
 def token_id_lists(prompt_ids) -> list[list[int]]:
     """prompt_ids as one list of Python ints per prompt.
 
     Raises:
-        TypeError: a str / bytes / mapping where the prompts or one prompt's ids should be, a
-            prompt that is not a sequence, or a token id that is not an int (`as_int`), each
-            named by its prompt (and position).
+        TypeError: text, bytes (bytes-like included), a mapping or a set (no order) where the
+            prompts or one prompt's ids should be, a prompt that is not a sequence, or a token
+            id that is not an int (`as_int`), each named by its prompt (and position).
     """
-    if isinstance(prompt_ids, (str, bytes, bytearray, dict)) or not hasattr(prompt_ids,
-                                                                             "__iter__"):
+    if isinstance(prompt_ids, _NOT_ID_LISTS) or not hasattr(prompt_ids, "__iter__"):
         raise TypeError(f"prompt_ids must be a list of token id lists, got "
                         f"{type(prompt_ids).__name__}")
     out = []
     for i, p in enumerate(prompt_ids):
-        if isinstance(p, (str, bytes, bytearray, dict)) or not hasattr(p, "__len__"):
+        if isinstance(p, _NOT_ID_LISTS) or not hasattr(p, "__len__"):
             raise TypeError(f"prompt {i} must be a sequence of token ids, got "
                             f"{type(p).__name__} {p!r:.60} (text goes to Engine.generate)")
         out.append([t if type(t) is int else as_int(f"prompt {i} token {j}", t)  # (fast path:
