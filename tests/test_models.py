@@ -4,6 +4,7 @@ sharded checkpoints, clear errors for missing / misshaped tensors, sampler and s
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -147,12 +148,12 @@ def test_prefill_places_requests_within_the_moe_token_limit(ckpts):
         seen.clear()
         try:
             for m in moe:
-                m.topology.max_tokens_per_rank = limit
+                m.topology.max_tokens_per_call = lambda limit=limit: limit
             out = run_requests(model, prompts, range(3), SamplingParams(max_new_tokens=NEW_TOKENS),
                                stop_ids=[])
         finally:
             for m in moe:
-                del m.topology.max_tokens_per_rank
+                del m.topology.max_tokens_per_call
         assert out.token_ids == want
         assert seen[:len(prefills) + 1] == prefills + [3]  # (then decode steps of all three)
 
@@ -761,10 +762,17 @@ def test_warm_up_runs_a_long_prefill_and_a_decode_step_and_changes_nothing(ckpts
     assert want < WARM_UP_TOKENS  # (the tiny checkpoint caps it)
     assert seen == [want] * len(moe) + [1] * len(moe)
     seen.clear()
-    moe[0].topology.max_tokens_per_rank = 100  # (a dp_nvlink cute topology refuses calls above)
+    # a dp_nvlink topology refuses calls above 100 tokens until its first call settles it on
+    # the reference backend: one prefill within the limit, then one of the full length
+    moe[0].topology.max_tokens_per_call = lambda: math.inf if seen else 100
     warm_up(model)
-    assert seen[:len(moe)] == [100] * len(moe)
-    del moe[0].topology.max_tokens_per_rank
+    n = len(moe)
+    assert seen == [100] * n + [1] * n + [want] * n + [1] * n
+    seen.clear()
+    moe[0].topology.max_tokens_per_call = lambda: 100  # (cute: stays)
+    warm_up(model)
+    assert seen == [100] * n + [1] * n
+    del moe[0].topology.max_tokens_per_call
     out = run_requests(model, encode(d, PROMPTS), range(len(PROMPTS)),
                        SamplingParams(max_new_tokens=NEW_TOKENS), stop_ids=[])
     assert out.token_ids == hf_greedy(d, PROMPTS, NEW_TOKENS)

@@ -11,6 +11,7 @@ The kernels themselves run in tests/gpu/test_topologies_cute_gpu.py.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -58,6 +59,7 @@ def test_peer_buffer_arguments_are_checked():
     for topo in ("tp", "dp_nvlink"):
         t = make_topology(topo, E, backend="reference", max_tokens_per_rank=7, transport="ipc")
         assert (t.max_tokens_per_rank, t.transport, t.peer_buffers) == (7, "ipc", None)
+        assert t.max_tokens_per_call() == math.inf  # (the reference path takes any number)
         assert make_topology(topo, E).max_tokens_per_rank == distributed.DEFAULT_MAX_TOKENS_PER_RANK
         with pytest.raises(ValueError, match="max_tokens_per_rank must be >= 1"):
             make_topology(topo, E, max_tokens_per_rank=0)
@@ -171,9 +173,11 @@ def test_auto_over_the_token_limit(cute_on_cpu, monkeypatch, topo):
     monkeypatch.setattr(distributed, "auto_picks_cute", lambda facts: (True, "forced by the test"))
     t = make_topology(topo, E, backend="auto", max_tokens_per_rank=8)
     ref = make_topology(topo, E, backend="reference")
+    limit = 8 if topo == "dp_nvlink" else math.inf  # (what the engine's prefills keep within)
+    assert t.max_tokens_per_call() == limit
     res = t.dispatch(*batch(8))
     t.combine(res.expert_x, res)
-    assert t.backend == "cute" and calls
+    assert t.backend == "cute" and calls and t.max_tokens_per_call() == limit
     n = len(calls)
     x, ids, w = batch(9)
     if topo == "dp_nvlink":
@@ -184,6 +188,23 @@ def test_auto_over_the_token_limit(cute_on_cpu, monkeypatch, topo):
         assert res.handle["peer_buffers"] is None
         assert torch.equal(t.combine(res.expert_x, res), ref.combine(res_ref.expert_x, res_ref))
     assert len(calls) == n, "launched over the limit"
+
+
+@pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])
+def test_token_limit_of_a_call_follows_the_backend(cute_on_cpu, monkeypatch, topo):
+    """max_tokens_per_call: max_tokens_per_rank on "cute"; none once "auto" settled on
+    "reference" (the engine's warm-up and prefills read it: a dp_nvlink rank under Ray, one GPU
+    per actor, settles there and had its prefills cut at 1024 tokens all the same)."""
+    assert make_topology(topo, E, backend="cute", max_tokens_per_rank=8).max_tokens_per_call() == 8
+    monkeypatch.setattr(distributed, "rank_peer_facts", lambda device: {})
+    monkeypatch.setattr(distributed, "auto_picks_cute", lambda facts: (False, "refused by the test"))
+    t = make_topology(topo, E, backend="auto", max_tokens_per_rank=8)
+    res = t.dispatch(*batch(8))
+    t.combine(res.expert_x, res)
+    assert t.backend == "reference" and not cute_on_cpu
+    assert t.max_tokens_per_call() == math.inf
+    res = t.dispatch(*batch(9))  # (taken: the reference path has no peer buffers to fill)
+    assert res.expert_x.shape[0] >= 9
 
 
 @pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])

@@ -243,11 +243,13 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
 
 
 def moe_tokens_per_call(model) -> float:
-    """The most tokens one MoE call of this rank may take: the smallest `max_tokens_per_rank`
-    of the model's MoE topologies that have peer buffers (a dp_nvlink cute topology refuses a
-    call above it), else unbounded. A prefill places requests within it (at least one)."""
-    return min((getattr(layer.mlp.topology, "max_tokens_per_rank", math.inf)
-                for layer in model.layers if hasattr(layer.mlp, "topology")), default=math.inf)
+    """The most tokens one MoE call of this rank may take: the smallest
+    `Topology.max_tokens_per_call` of the model's MoE topologies (a topology whose calls may
+    run on peer buffers refuses a call above its max_tokens_per_rank; one settled on the
+    reference backend takes any number), else unbounded. A prefill places requests within it
+    (at least one)."""
+    return min((layer.mlp.topology.max_tokens_per_call() for layer in model.layers
+                if isinstance(layer.mlp, MoELayer)), default=math.inf)
 
 
 def _prefill(model, cache, prompts: Sequence[Sequence[int]], rows: list[int]) -> torch.Tensor:
@@ -270,8 +272,9 @@ def warm_up(model) -> float:
     """Pay the costs of a model's first forward passes before the first request: compiling the
     CuTeDSL and quack kernels of its MoE layers (a few tenths of a second each, once per
     process), CUDA, cuBLAS and attention start-up. Runs one prefill of WARM_UP_TOKENS dummy
-    tokens (fewer where max_position_embeddings, or the tokens a rank may pass to one call of
-    its MoE topologies' peer buffers (`max_tokens_per_rank`), is smaller) and one eager decode
+    tokens (fewer where max_position_embeddings, or the tokens one call of its MoE topologies
+    may take (`moe_tokens_per_call`), is smaller; once more with the larger number when the
+    first call settled a topology on a backend without that limit) and one eager decode
     step, then compiles the other launch shapes of the MoE layers' kernels (MoELayer.warm_up:
     the dispatch / combine kernels of every token count, the expert GEMMs' tiles), so a batch
     of a new size compiles nothing on the local topology. Every rank of a multi-rank model
@@ -280,11 +283,15 @@ def warm_up(model) -> float:
     Returns:
         The seconds it took.
     """
-    tokens = max(1, int(min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2,
-                            moe_tokens_per_call(model))))
     t0 = time.perf_counter()
-    run_requests(model, [[0] * tokens], [0], SamplingParams(max_new_tokens=2), stop_ids=(),
-                 cuda_graphs=False)
+    done = 0
+    while (tokens := max(1, int(min(WARM_UP_TOKENS, model.spec.max_position_embeddings - 2,
+                                    moe_tokens_per_call(model))))) > done:
+        # (again when the first call settled a topology on the reference backend, which lifts
+        # its peer buffers' limit: the longer prefill compiles the routing kernel's prefill shape)
+        run_requests(model, [[0] * tokens], [0], SamplingParams(max_new_tokens=2), stop_ids=(),
+                     cuda_graphs=False)
+        done = tokens
     limit = moe_tokens_per_call(model)
     for layer in model.layers:  # (every launch shape of the dispatch / combine kernels, the
         if isinstance(layer.mlp, MoELayer):  # expert GEMMs' tiles: compiles, no collective)

@@ -10,6 +10,7 @@ start at `expert_offsets[e]` (a multiple of `align`) and there are `counts` of t
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -178,6 +179,12 @@ class Topology(abc.ABC):
         (a serving process's warm-up); returns how many. None here (0): LocalTopology on the
         cute backend has some (kernels/cute_ops.compile_kernels)."""
         return 0
+
+    def max_tokens_per_call(self) -> float:
+        """The most tokens one rank may pass to one dispatch: any number here (math.inf);
+        PeerBufferTopology says its max_tokens_per_rank while a call may run on its peer
+        buffers (a larger one raises ValueError there)."""
+        return math.inf
 
     def records_collectives(self) -> bool:
         """Whether a CUDA graph capture can record this topology's calls with their

@@ -94,6 +94,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import socket
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -817,6 +818,14 @@ class PeerBufferTopology(GroupTopology):
         self.peer_buffers = None
         self.backend_reason: Optional[str] = None
         self._asked_auto = self.backend == "auto"
+
+    def max_tokens_per_call(self) -> float:
+        """max_tokens_per_rank while a call may run on the peer buffers: backend "cute", or
+        "auto" not (yet) settled on "reference" where calls above the limit do not fall back to
+        it (auto_fallback_over_limit, tp's); else any number (math.inf)."""
+        if self.backend == "reference" or (self._asked_auto and self.auto_fallback_over_limit):
+            return math.inf
+        return self.max_tokens_per_rank
 
     def _peer_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor):
         """The PeerBuffers for this call, or None for the reference path (see the class
