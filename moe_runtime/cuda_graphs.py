@@ -150,10 +150,12 @@ class BucketedGraphs:
         return tuple(sorted(self._graphs))
 
     def invalidate(self) -> None:
-        """Drop every graph, its static buffers and the memory pool (recaptured on demand)."""
+        """Drop every graph, its static buffers, the memory pool and the capture stream
+        (recaptured on demand, on `self.device`, which a layer's .to() may have changed)."""
         self._graphs.clear()
         self._static_in = None
         self._pool = None
+        self._stream = None
         self._key = None
 
     def bucket_for(self, num_tokens: int) -> Optional[int]:

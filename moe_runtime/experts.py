@@ -241,6 +241,7 @@ class Experts(CheckedModule):
         gate, up = h.split(self.intermediate_size, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.down_proj, expert_offsets, use_grouped=grouped)
 
+    @torch.no_grad()
     def warm_up(self) -> None:
         """Compile, on the weights' device, the quack grouped GEMMs of every tile configuration
         forward may pick for prefill-sized rows (grouped_gemm.tile_probe_rows: it picks by the

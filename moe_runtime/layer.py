@@ -166,15 +166,20 @@ class MoELayer(nn.Module):
                                backend=self.experts.backend)
         self.invalidate_cuda_graphs()
 
+    @torch.no_grad()
     def warm_up(self, max_tokens: Optional[int] = None) -> int:
         """Compile now what forward of 1..max_tokens tokens (None: any number) would compile on
         first use, on the router weight's device: the topology's dispatch and combine kernels
         for every launch shape (Topology.compile_kernels: the local topology's cute kernels) and
         the experts' grouped GEMM tiles (Experts.warm_up). A forward of one token and one of
         more than cute_compile.ROUTE_DECODE_MAX_TOKENS tokens then compile the rest (the two
-        routing launch shapes, the decode GEMV). Returns the number of dispatch / combine
-        kernels the topology compiled (or found compiled)."""
+        routing launch shapes, the decode GEMV). With CUDA graphs enabled, a forward of T
+        tokens runs at its bucket's size (BucketedGraphs.bucket_for), so the kernels are those
+        of up to max_tokens' bucket. Returns the number of dispatch / combine kernels the
+        topology compiled (or found compiled)."""
         device = self.router.weight.device
+        if max_tokens is not None and self.cuda_graphs is not None:
+            max_tokens = max(max_tokens, self.cuda_graphs.bucket_for(max_tokens) or 0)
         n = self.topology.compile_kernels(self.config.hidden_size, self.dtype, self.config.top_k,
                                           max_tokens, device)
         self.experts.warm_up()

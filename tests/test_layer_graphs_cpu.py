@@ -305,3 +305,29 @@ def test_calls_under_autocast_run_eagerly():
         assert log == [] and y.shape == (3, 32)
         layer(x)
     assert log == [4]
+
+
+@pytest.mark.parametrize("buckets, max_tokens, want", [
+    (None, 10, 10), (DEFAULT_BUCKETS, 10, 16), (DEFAULT_BUCKETS, 300, 300), ((1, 2, 4), 3, 4),
+    (DEFAULT_BUCKETS, None, None)])
+def test_warm_up_covers_the_bucket_a_graphed_forward_runs(monkeypatch, buckets, max_tokens, want):
+    """A graphed forward of T tokens runs its kernels at T's bucket: warm_up(10) compiled the
+    kernels of up to 10 tokens while a graphed 10-token forward launched those of 16 (review)."""
+    layer = make_layer()
+    asked = []
+    monkeypatch.setattr(layer.topology, "compile_kernels",
+                        lambda hidden, dtype, k, max_tokens, device: asked.append(max_tokens) or 0)
+    if buckets is not None:
+        layer.enable_cuda_graphs(buckets, capture_fn=address_bound_capture(layer, []))
+    layer.warm_up(max_tokens)
+    assert asked == [want]
+
+
+def test_invalidate_drops_the_capture_stream():
+    """A layer moved to another GPU invalidates its graphs and recaptures on the new device: the
+    old device's capture stream must go with them (it was kept)."""
+    layer = make_layer()
+    g = layer.enable_cuda_graphs(capture_fn=address_bound_capture(layer, []))
+    g._stream = "a stream of the old device"
+    g.invalidate()
+    assert g._stream is None and g.captured == ()
