@@ -887,6 +887,21 @@ def test_checkpoint_with_a_missing_shard_fails_before_ray_starts(tmp_path):
     assert ray.is_initialized() == started
 
 
+def test_a_relative_model_path_reaches_the_ranks_absolute(ckpt, monkeypatch):
+    """The ranks of a joined cluster (`ray start`, the deploy entry) run in another working
+    directory: a relative --model that the driver had found failed there with "no config.json"."""
+    seen = []
+
+    def stop(self, *a):
+        seen.append(self.model_dir)
+        raise KeyboardInterrupt("stop before Ray starts")
+    monkeypatch.setattr(Engine, "_start_ray", stop)
+    monkeypatch.chdir(os.path.dirname(ckpt))
+    with pytest.raises(KeyboardInterrupt):
+        Engine(os.path.basename(ckpt), world_size=1, topology="local")
+    assert seen == [os.path.abspath(ckpt)]
+
+
 def test_checkpoint_without_tokenizer_fails_before_ray_starts(ckpt, tmp_path):
     """Weights and config but no tokenizer files (a model's save_pretrained alone): transformers
     returns an empty tokenizer there; Engine() and the CLI name the missing tokenizer instead of

@@ -255,7 +255,9 @@ class Engine:
     """Driver of W RankWorker actors serving one checkpoint.
 
     Args:
-        model_dir: HF-format checkpoint directory (config.json, safetensors, tokenizer).
+        model_dir: HF-format checkpoint directory (config.json, safetensors, tokenizer); a
+            relative path is taken from this process's working directory, and on a joined
+            cluster the same absolute path must hold the checkpoint on every node with a rank.
         world_size: number of ranks (one actor each).
         topology: "auto", "local", "tp", "dp_nvlink" or "dp_p2p".
         attention: for "auto": "dp" (data-parallel attention + EP, the default) or "tp".
@@ -321,6 +323,8 @@ class Engine:
                              "'reference' or 'auto'")
         if ray_address is not None:
             check_ray_address(ray_address)
+        # (absolute: the rank actors of a joined cluster run in another working directory)
+        model_dir = os.path.abspath(os.fspath(model_dir))
         self.model_dir, self.world_size, self.timeout_s = model_dir, world_size, timeout_s
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.cuda_graphs = bool(cuda_graphs)
