@@ -43,7 +43,8 @@ Differences from the HF module, by design:
       ...), but each replacement's state_dict uses the HF block's names (`gate.weight`,
       `shared_expert_gate.weight`, ...) and its load_state_dict takes them (state_dict hooks,
       `_hf_names`), so `save_pretrained` after the swap writes a checkpoint HF loads as is, and
-      an HF state_dict loads into the swapped model. The renamed submodules are also reachable
+      an HF state_dict loads into the swapped model (strict loading names missing keys as HF
+      does; a tensor given under both names is an unexpected key). The renamed submodules are also reachable
       under the HF names (`MoELayer.module_aliases`), so every key is an attribute path and
       torch.distributed.checkpoint's get/set_model_state_dict work on the model itself. Not
       under DDP, FSDP2 or a torch.compile wrapper: those walk the parameters' own names, which
@@ -335,7 +336,9 @@ def _build_layer(fam: _Family, block: nn.Module, topology, kw: dict) -> MoELayer
     layer.train(block.training)
     names = _hf_names(fam, cfg, layer)
     layer.register_state_dict_post_hook(_RenameKeys(names, warn_slice=True))
-    layer.register_load_state_dict_pre_hook(_RenameKeys({hf: ours for ours, hf in names.items()}))
+    loading = _LoadHFNames(names)
+    layer.register_load_state_dict_pre_hook(loading)
+    layer.register_load_state_dict_post_hook(_ReportHFNames(loading))
     layer.module_aliases = _module_aliases(names)
     if _output_collector() is not None:
         layer.register_forward_pre_hook(_keep_router_logits)
@@ -407,6 +410,41 @@ class _RenameKeys:
                 f"lacks the other ranks' experts and does not load into the HF model. Save from "
                 f"the model before the swap (or from a 'local' swap) for a full HF checkpoint",
                 stacklevel=2)
+
+
+class _LoadHFNames:
+    """A load_state_dict pre-hook: the HF keys of `names` ({MoELayer key: HF key}) become the
+    layer's own (a state_dict keyed by the layer's own names, e.g. by parameter names, loads
+    too). A tensor under both names is ambiguous: the key under the layer's own name (not a
+    key of its state_dict) is taken out, so it is not dropped silently, and kept for
+    _ReportHFNames, which reports it as unexpected. A class, not a closure (pickling)."""
+
+    def __init__(self, names: dict[str, str]):
+        self.names = names
+        self.ours = {hf: ours for ours, hf in names.items()}
+        self.prefix, self.foreign = "", []
+
+    def __call__(self, module, state_dict, prefix, *args):
+        self.prefix = prefix
+        self.foreign = [(prefix + o, state_dict.pop(prefix + o)) for o, hf in self.names.items()
+                        if prefix + o in state_dict and prefix + hf in state_dict]
+        _RenameKeys(self.ours)(module, state_dict, prefix)
+
+
+class _ReportHFNames:
+    """The load_state_dict post-hook of _LoadHFNames: missing keys under the HF names the
+    layer's state_dict uses, the keys it took out as unexpected (strict loading raises)."""
+
+    def __init__(self, loading: _LoadHFNames):
+        self.loading = loading
+
+    def __call__(self, module, incompatible):
+        p, names = self.loading.prefix, self.loading.names
+        missing = incompatible.missing_keys
+        missing[:] = [p + names[k[len(p):]] if k.startswith(p) and k[len(p):] in names else k
+                      for k in missing]
+        incompatible.unexpected_keys.extend(k for k, _ in self.loading.foreign)
+        self.loading.foreign = []
 
 
 def _output_collector():

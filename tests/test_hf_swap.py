@@ -623,6 +623,30 @@ def test_zero_width_shared_expert_keeps_hf_keys(family, over):
 
 
 @pytest.mark.parametrize("family", list(MODELS))
+def test_load_state_dict_names_keys_as_the_state_dict_does(family):
+    """Strict loading of a swapped model reports HF's key of a missing router weight (it named
+    MoELayer's own `router.weight`), and refuses that own name next to HF's as an unexpected
+    key (it loaded with "All keys matched" and the value was dropped); alone it loads."""
+    model = tiny_model(family)
+    swap_moe_layers(model)
+    sd = model.state_dict()
+    hf, ours = "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.router.weight"
+    assert hf in sd and ours not in sd
+    missing = {k: v for k, v in sd.items() if k != hf}
+    with pytest.raises(RuntimeError, match=f'Missing key\\(s\\) in state_dict: "{hf}"'):
+        model.load_state_dict(missing)
+    assert model.load_state_dict(missing, strict=False) == ([hf], [])
+    before = model.model.layers[1].mlp.router.weight.clone()
+    with pytest.raises(RuntimeError, match=f'Unexpected key\\(s\\) in state_dict: "{ours}"'):
+        model.load_state_dict({**sd, ours: torch.zeros_like(sd[hf])})
+    assert model.load_state_dict({**sd, ours: torch.zeros_like(sd[hf])}, strict=False) == ([], [ours])
+    assert torch.equal(model.model.layers[1].mlp.router.weight, before)
+    assert model.load_state_dict(sd) == ([], [])
+    assert model.load_state_dict({**missing, ours: torch.zeros_like(sd[hf])}) == ([], [])
+    assert not model.model.layers[1].mlp.router.weight.any()
+
+
+@pytest.mark.parametrize("family", list(MODELS))
 def test_parameter_and_key_order_kept(family):
     """parameters() and state_dict() list the same tensors in HF's order after the swap (an
     optimizer state_dict saved before it, index-based, resumes on the right tensors)."""
