@@ -405,6 +405,21 @@ def test_deepseek_v3_routing_matches_hf(E, k, n_group, topk_group, norm, scale):
     _compare_routing(hf, cfg, logits, bias)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_a_nan_router_weight_reaches_the_output_as_in_hf(family):
+    """A NaN row in the router weight (a corrupted checkpoint) gives HF a NaN output; DeepSeek-V3's
+    sigmoid routing chose around it and returned finite values, hiding it."""
+    model = tiny_model(family)
+    block = model.model.layers[1].mlp
+    with torch.no_grad():
+        block.gate.weight[3] = float("nan")
+        x = torch.randn(1, 4, block.gate.weight.shape[1])
+        want = block(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got = swap_moe_layers(copy.deepcopy(block))(x)
+    assert torch.isnan(want).all() and torch.isnan(got).all()
+
+
 def test_deepseek_negative_bias_group_mask():
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     hf = DeepseekV3TopkRouter(tf.DeepseekV3Config(hidden_size=4, n_routed_experts=4, num_experts_per_tok=2,

@@ -174,6 +174,27 @@ def test_route_ties_go_to_smaller_id():
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
+@pytest.mark.parametrize("kw", [dict(scoring="softmax"),
+                                dict(scoring="sigmoid", n_group=4, topk_group=2,
+                                     correction_bias=torch.linspace(-0.1, 0.1, 16))])
+def test_route_nan_logits_give_nan_weights_and_valid_ids(kw):
+    """A NaN router logit (a corrupted weight) reaches the output as NaN, as in HF (sigmoid
+    routing chose around it and returned finite weights); a NaN counts as -inf in the choice,
+    so the ids stay distinct and in range; the other tokens are untouched."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 16, generator=g)
+    logits[1, 6] = logits[3, :] = float("nan")
+    ids, w, counts = R.route(logits, 4, **kw)
+    assert torch.isnan(w[[1, 3]]).all() and not torch.isnan(w[[0, 2, 4]]).any()
+    assert all(len(set(r)) == 4 and 0 <= min(r) and max(r) < 16 for r in ids.tolist())
+    assert 6 not in ids[1].tolist()
+    if kw["scoring"] == "softmax":  # (every score of a NaN row is NaN: the first k ids)
+        assert ids[1].tolist() == ids[3].tolist() == [0, 1, 2, 3]
+    clean, cw, _ = R.route(logits[[0, 2, 4]], 4, **kw)
+    assert torch.equal(ids[[0, 2, 4]], clean) and torch.equal(w[[0, 2, 4]], cw)
+    assert torch.equal(counts, torch.bincount(ids.flatten().long(), minlength=16).int())
+
+
 # --- dispatch/combine reference properties --------------------------------------------------------
 
 @settings(max_examples=40, deadline=None)

@@ -47,15 +47,19 @@ def route(
     Returns:
         topk_ids int32 [T, k] in descending score order (ties: smaller expert id first),
         topk_weights fp32 [T, k], counts int32 [E] (tokens routed to each expert) or None.
+        A token with a NaN logit gets k NaN weights (its output is NaN, as HF's is: there
+        torch.topk takes NaN as the largest score); for the choice a NaN counts as -inf.
     """
     scores_in = logits.float()
     T, E = scores_in.shape
+    nan_rows = torch.isnan(scores_in).any(-1, keepdim=True)
     if scoring == "softmax":
         scores = torch.softmax(scores_in, dim=-1)
-        choice = scores
+        choice = _nan_to_neg_inf(scores)
     elif scoring == "sigmoid":
         scores = torch.sigmoid(scores_in)
-        choice = scores if correction_bias is None else scores + correction_bias.float()
+        choice = _nan_to_neg_inf(scores if correction_bias is None
+                                 else scores + correction_bias.float())
         if n_group > 1:
             grouped = choice.view(T, n_group, E // n_group)
             group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)
@@ -72,8 +76,13 @@ def route(
         weights = weights / (denom + 1e-20 if scoring == "sigmoid" else denom)
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
+    weights = weights.masked_fill(nan_rows, float("nan"))
     counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32) if with_counts else None
     return ids.to(torch.int32), weights.float(), counts
+
+
+def _nan_to_neg_inf(values: torch.Tensor) -> torch.Tensor:
+    return values.masked_fill(torch.isnan(values), float("-inf"))
 
 
 def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:

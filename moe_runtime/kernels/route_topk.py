@@ -9,7 +9,8 @@ Semantics are those of moe_runtime.kernels.reference.route (HF transformers' rou
       is scored by the sum of its two best choices, the best TOPK_GROUP groups are kept and
       the other experts' choice becomes -inf (transformers 5.x DeepseekV3MoE.route_tokens_to_experts).
   ids = the K largest choices in descending order, ties to the smaller expert id;
-  weights = scores at ids, / their sum (sigmoid: sum + 1e-20) if NORM, * routed_scaling_factor.
+  weights = scores at ids, / their sum (sigmoid: sum + 1e-20) if NORM, * routed_scaling_factor;
+  a NaN choice counts as -inf, and a token with a NaN logit gets K NaN weights.
 One warp per token (grid-stride over tokens): lane l holds experts [l * PER_LANE, +PER_LANE),
 each of the K rounds is a lane-local arg-max then a 5-step butterfly arg-max on
 (choice, id, score) with ties to the smaller id; the winner's owner knocks it out with -inf.
@@ -113,6 +114,11 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
                 raw[q] = neg_inf
                 if e < E:
                     raw[q] = mLogits[t, e].to(Float32)
+        # ---- a NaN logit anywhere in the row: NaN weights (a warp-wide flag, 1.0 or 0.0)
+        nan_row = Float32(0.0)
+        for q in cutlass.range_constexpr(PER_LANE):
+            nan_row = cute.arch.fmax(nan_row, Float32(1.0) if raw[q] != raw[q] else Float32(0.0))
+        nan_row = cute.arch.warp_reduction_max(nan_row)
         # ---- scores and the values the choice is made on
         if cutlass.const_expr(SIGMOID):
             for q in cutlass.range_constexpr(PER_LANE):
@@ -125,7 +131,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
                 if e >= E:
                     c = neg_inf
                 score[q] = s
-                choice[q] = c
+                choice[q] = c if c == c else neg_inf  # (NaN)
         else:
             m = raw[0]
             for q in cutlass.range_constexpr(1, PER_LANE):
@@ -139,7 +145,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
             for q in cutlass.range_constexpr(PER_LANE):
                 e = lane * PER_LANE + q
                 score[q] = score[q] / tot
-                choice[q] = score[q] if e < E else neg_inf
+                choice[q] = score[q] if (e < E) & (score[q] == score[q]) else neg_inf
         # ---- group-limited selection (sigmoid routers)
         if cutlass.const_expr(N_GROUP > 1):
             gscore = []
@@ -197,7 +203,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
                 else:
                     w = my_s / total
             mIds[t, lane] = my_id
-            mW[t, lane] = w * scale
+            mW[t, lane] = w * scale if nan_row == Float32(0.0) else Float32(math.nan)
             if cutlass.const_expr(COUNTS):
                 cute.arch.atomic_add(s_cnt.iterator + my_id, Int32(1))
 

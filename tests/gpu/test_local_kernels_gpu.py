@@ -490,6 +490,25 @@ def test_route_matches_reference(ops, cfg, dtype, T, with_counts):
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cfg", ROUTERS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_route_nan_logits_match_reference(ops, cfg):
+    """A token with a NaN logit: NaN weights, ids as the reference's (NaN counts as -inf)."""
+    cfg = dict(cfg)
+    E, k = cfg.pop("E"), cfg.pop("k")
+    if cfg.pop("bias", False):
+        cfg["correction_bias"] = torch.randn(E, device=DEV) * 0.1
+    logits = torch.randn(40, E, device=DEV)
+    logits[3, E // 2] = logits[7, :] = logits[11, 0] = float("nan")
+    for T in (40, 1):  # (T = 1: the NaN row alone)
+        lg = logits[:T] if T > 1 else logits[7:8]
+        ids, w, counts = ops.route(lg, k, **cfg)
+        rids, rw, rcounts = reference.route(lg, k, **cfg)
+        assert torch.equal(ids, rids) and torch.equal(counts, rcounts)
+        assert torch.equal(torch.isnan(w), torch.isnan(rw))
+        torch.testing.assert_close(w.nan_to_num(), rw.nan_to_num(), rtol=1e-5, atol=1e-6)
+    assert torch.isnan(w).all()
+
+
 def test_route_ties_go_to_the_smaller_id(ops):
     """Integer logits with many exact ties: order and membership follow the stable rule."""
     logits = torch.randint(-2, 3, (2048, 64), device=DEV).float()
