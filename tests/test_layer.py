@@ -179,8 +179,8 @@ def test_route_ties_go_to_smaller_id():
                                      correction_bias=torch.linspace(-0.1, 0.1, 16))])
 def test_route_nan_logits_give_nan_weights_and_valid_ids(kw):
     """A NaN router logit (a corrupted weight) reaches the output as NaN, as in HF (sigmoid
-    routing chose around it and returned finite weights); a NaN counts as -inf in the choice,
-    so the ids stay distinct and in range; the other tokens are untouched."""
+    routing chose around it and returned finite weights); a NaN counts as the lowest finite
+    value in the choice, so the ids stay distinct and in range; other tokens are untouched."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 16, generator=g)
     logits[1, 6] = logits[3, :] = float("nan")

@@ -48,17 +48,18 @@ def route(
         topk_ids int32 [T, k] in descending score order (ties: smaller expert id first),
         topk_weights fp32 [T, k], counts int32 [E] (tokens routed to each expert) or None.
         A token with a NaN logit gets k NaN weights (its output is NaN, as HF's is: there
-        torch.topk takes NaN as the largest score); for the choice a NaN counts as -inf.
+        torch.topk takes NaN as the largest score); for the choice a NaN counts as the lowest
+        finite fp32 value (above the -inf of masked groups).
     """
     scores_in = logits.float()
     T, E = scores_in.shape
     nan_rows = torch.isnan(scores_in).any(-1, keepdim=True)
     if scoring == "softmax":
         scores = torch.softmax(scores_in, dim=-1)
-        choice = _nan_to_neg_inf(scores)
+        choice = _nan_to_lowest(scores)
     elif scoring == "sigmoid":
         scores = torch.sigmoid(scores_in)
-        choice = _nan_to_neg_inf(scores if correction_bias is None
+        choice = _nan_to_lowest(scores if correction_bias is None
                                  else scores + correction_bias.float())
         if n_group > 1:
             grouped = choice.view(T, n_group, E // n_group)
@@ -81,8 +82,8 @@ def route(
     return ids.to(torch.int32), weights.float(), counts
 
 
-def _nan_to_neg_inf(values: torch.Tensor) -> torch.Tensor:
-    return values.masked_fill(torch.isnan(values), float("-inf"))
+def _nan_to_lowest(values: torch.Tensor) -> torch.Tensor:
+    return values.masked_fill(torch.isnan(values), torch.finfo(torch.float32).min)
 
 
 def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:

@@ -10,7 +10,9 @@ Semantics are those of moe_runtime.kernels.reference.route (HF transformers' rou
       the other experts' choice becomes -inf (transformers 5.x DeepseekV3MoE.route_tokens_to_experts).
   ids = the K largest choices in descending order, ties to the smaller expert id;
   weights = scores at ids, / their sum (sigmoid: sum + 1e-20) if NORM, * routed_scaling_factor;
-  a NaN choice counts as -inf, and a token with a NaN logit gets K NaN weights.
+  a NaN choice counts as the lowest finite fp32 (above the -inf of masked groups and of
+  the experts already taken, so a row of NaN still yields K distinct ids), and a token with
+  a NaN logit gets K NaN weights.
 One warp per token (grid-stride over tokens): lane l holds experts [l * PER_LANE, +PER_LANE),
 each of the K rounds is a lane-local arg-max then a 5-step butterfly arg-max on
 (choice, id, score) with ties to the smaller id; the winner's owner knocks it out with -inf.
@@ -38,6 +40,7 @@ from ..sync.ordered import ld_relaxed
 from .device_counts import add_block_counts, clear_shared
 
 LOG2E = math.log2(math.e)
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 def workspace_words(num_experts: int) -> int:
@@ -88,6 +91,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
     neg_inf = -Float32.inf
+    lowest = Float32(-FP32_MAX)  # a NaN's place in the choice
     # the next launch (decode dispatch or prefill slots, programmatic dependent launches) may
     # start now: it waits for this grid before any global access
     cute.arch.griddepcontrol_launch_dependents()
@@ -131,7 +135,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
                 if e >= E:
                     c = neg_inf
                 score[q] = s
-                choice[q] = c if c == c else neg_inf  # (NaN)
+                choice[q] = c if c == c else lowest  # (NaN)
         else:
             m = raw[0]
             for q in cutlass.range_constexpr(1, PER_LANE):
@@ -145,7 +149,9 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
             for q in cutlass.range_constexpr(PER_LANE):
                 e = lane * PER_LANE + q
                 score[q] = score[q] / tot
-                choice[q] = score[q] if (e < E) & (score[q] == score[q]) else neg_inf
+                choice[q] = score[q] if score[q] == score[q] else lowest  # (NaN)
+                if e >= E:
+                    choice[q] = neg_inf
         # ---- group-limited selection (sigmoid routers)
         if cutlass.const_expr(N_GROUP > 1):
             gscore = []

@@ -492,7 +492,7 @@ def test_route_matches_reference(ops, cfg, dtype, T, with_counts):
 
 @pytest.mark.parametrize("cfg", ROUTERS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
 def test_route_nan_logits_match_reference(ops, cfg):
-    """A token with a NaN logit: NaN weights, ids as the reference's (NaN counts as -inf)."""
+    """A token with a NaN logit: NaN weights, ids as the reference's (a row of NaN: k distinct ids)."""
     cfg = dict(cfg)
     E, k = cfg.pop("E"), cfg.pop("k")
     if cfg.pop("bias", False):
