@@ -227,6 +227,8 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     try:
         if getattr(args, "ray_address", None) is not None:
             check_ray_address(args.ray_address, "--ray-address")
+        elif os.environ.get("RAY_ADDRESS"):  # (the Engine joins it; "" counts as unset)
+            check_ray_address(os.environ["RAY_ADDRESS"], "RAY_ADDRESS in the environment")
         if args.attention is not None and args.topology != "auto":
             raise ValueError(f"--attention applies to --topology auto only; topology "
                              f"{args.topology!r} fixes how attention is split")

@@ -31,7 +31,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .cli import main as cli_main
     args = list(sys.argv[1:] if argv is None else argv)
     if "--ray-address" not in args and not any(a in ("-h", "--help") for a in args):
-        args = ["--ray-address", os.environ.get("RAY_ADDRESS", "auto")] + args
+        args = ["--ray-address", os.environ.get("RAY_ADDRESS") or "auto"] + args  # ("": unset)
     return cli_main(args, build_parser())
 
 

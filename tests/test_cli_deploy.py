@@ -296,6 +296,22 @@ def test_deploy_entry_help_names_itself_and_its_ray_default(capsys):
     assert "moe-runtime generate" not in out and "default: $RAY_ADDRESS (set by" in " ".join(out.split())
 
 
+def test_ray_address_from_the_environment_is_checked_and_empty_is_unset(ckpt, capsys, no_engine,
+                                                                       monkeypatch):
+    """RAY_ADDRESS=garbage ended in Ray's bare "Invalid address format" (exit 1); an empty
+    RAY_ADDRESS made the deploy entry complain about a --ray-address '' nobody passed."""
+    from moe_runtime import deploy
+    monkeypatch.setenv("RAY_ADDRESS", "garbage")
+    assert cli_main(["generate", "--model", str(ckpt), "--prompt", "hi"]) == 2
+    assert ("RAY_ADDRESS in the environment must be 'auto' or the cluster's GCS host:port"
+            in capsys.readouterr().err)
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    seen = []
+    monkeypatch.setattr("moe_runtime.cli.main", lambda argv, parser=None: seen.append(argv) or 0)
+    assert deploy.main(["--model", str(ckpt), "--prompt", "hi"]) == 0
+    assert seen[0][:2] == ["--ray-address", "auto"]
+
+
 def test_make_checkpoint_max_shard_size_is_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["make-checkpoint", "--max-shard-size", "banana", str(tmp_path / "x")])
@@ -326,6 +342,9 @@ def no_engine(monkeypatch):
     (["--prompt", "hi", "--world-size", "2", "--topology", "tp", "--attention", "dp"],
      "--attention applies to --topology auto only"),
     (["--prompt", "ab\udcffcd"], "prompt 0 is not UTF-8 text (surrogates not allowed at character 2"),
+    (["--prompt", "hi", "--ray-address", "garbage"],
+     "--ray-address must be 'auto' or the cluster's GCS host:port (e.g. 10.0.0.1:6379), got 'garbage'"),
+    (["--prompt", "hi", "--ray-address", "head:99999"], "got 'head:99999'"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt: No such file")])
 def test_generate_input_errors_are_found_before_ray_starts(ckpt, capsys, no_engine, argv, message):
     """(A prompt with undecodable command-line bytes, '\\udcff' as Python decodes them, used to

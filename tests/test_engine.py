@@ -415,6 +415,9 @@ def test_bad_arguments_fail_before_ray_starts(ckpt):
         Engine(ckpt, world_size=1, topology="local", device="cpu", backend="cute")
     with pytest.raises(ValueError, match="ray_address must be 'auto' or the cluster's GCS host:port"):
         Engine(ckpt, world_size=1, topology="local", ray_address=" ")
+    for bad in ("garbage", "10.0.0.1:0", "10.0.0.1:port", ":6379"):
+        with pytest.raises(ValueError, match=f"GCS host:port \\(e.g. 10.0.0.1:6379\\), got '{bad}'"):
+            Engine(ckpt, world_size=1, topology="local", ray_address=bad)
     if not started and torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="2 GPU rank\\(s\\) need as many GPUs"):
             Engine(ckpt, world_size=2, topology="tp", device="cuda")

@@ -799,8 +799,9 @@ def check_ray_address(address, source: str = "ray_address") -> None:
     RAY_ADDRESS); `source` names where it came from in the message.
 
     Raises:
-        ValueError: not a non-empty str, or an http(s):// URL (Ray's dashboard / job API, which
-            `ray job submit` takes: ray.init would retry it without end).
+        ValueError: not a non-empty str; an http(s):// URL (Ray's dashboard / job API, which
+            `ray job submit` takes: ray.init would retry it without end); none of "auto",
+            "local", ray://... (Ray Client) and host:port with a port in 1..65535.
     """
     if not isinstance(address, str) or not address.strip():
         raise ValueError(f"{source} must be 'auto' or the cluster's GCS host:port, got "
@@ -808,6 +809,12 @@ def check_ray_address(address, source: str = "ray_address") -> None:
     if address.startswith(("http://", "https://")):
         raise ValueError(f"{source} {address!r} is an HTTP address (Ray's dashboard and job "
                          f"API, which `ray job submit` takes); {_GCS_HINT}")
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    if not host.strip() or not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{source} must be 'auto' or the cluster's GCS host:port (e.g. "
+                         f"10.0.0.1:6379), got {address!r}")
 
 
 def _auto_address() -> Optional[str]:
