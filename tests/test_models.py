@@ -329,6 +329,25 @@ def test_quantized_checkpoints_are_refused(ckpts, tmp_path):
         assert f"tensor {key!r} in {path} is stored as {name}" in str(e.value)
 
 
+def test_float64_checkpoint_loads_and_computes_in_float32(ckpts, tmp_path):
+    """A checkpoint saved in float64 (config dtype float64, F64 tensors): read and converted,
+    computing in float32 with the same answers (its F64 tensors failed after the ranks started,
+    called "quantized")."""
+    from safetensors.torch import load_file
+    d = str(tmp_path / "f64")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    path = os.path.join(d, "model.safetensors")
+    save_file({k: v.double() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(d, "config.json")
+    json.dump({**json.load(open(cfg_path)), "dtype": "float64"}, open(cfg_path, "w"))
+    model = load_model(d, progress=False)
+    assert model.spec.dtype == torch.float32
+    prompts = encode(d, PROMPTS)
+    out = run_requests(model, prompts, range(len(prompts)),
+                       SamplingParams(max_new_tokens=NEW_TOKENS), stop_ids=[])
+    assert out.token_ids == hf_greedy(ckpts["qwen3-moe"], PROMPTS, NEW_TOKENS)
+
+
 def test_generation_config_eos_ids_are_stop_ids(ckpts, tmp_path):
     """generation_config.json's eos_token_id (int or list) adds to config.json's; absent: ignored."""
     d = str(tmp_path / "gen")

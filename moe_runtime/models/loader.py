@@ -27,7 +27,9 @@ from .transformer import MoECausalLM, Parallel
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_STORED_DTYPES = ("F32", "BF16", "F16")  # safetensors' names of the dtypes above
+# safetensors' names of the dtypes read (each converted to the compute dtype: a float64
+# checkpoint computes in float32, resolve_dtype)
+_STORED_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 class CheckpointError(ValueError):
@@ -36,8 +38,8 @@ class CheckpointError(ValueError):
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config) -> torch.dtype:
-    """"auto"/None -> the config's dtype (float32 when absent or unsupported); a name or a
-    torch.dtype -> itself.
+    """"auto"/None -> the config's dtype (float32 when absent or another, e.g. float64); a
+    name or a torch.dtype -> itself.
 
     Raises:
         ValueError: a dtype other than float32, bfloat16, float16.
@@ -197,8 +199,8 @@ class CheckpointReader:
                                   f"shape {list(got)}, expected {list(shape)}")
         if sl.get_dtype() not in _STORED_DTYPES:
             raise CheckpointError(f"tensor {key!r} in {os.path.join(self.model_dir, fname)} is stored "
-                                  f"as {sl.get_dtype()}; only {', '.join(_STORED_DTYPES)} are supported "
-                                  "(quantized weights are not)")
+                                  f"as {sl.get_dtype()}; only {', '.join(_STORED_DTYPES)} are read "
+                                  "(quantized and integer weights are not)")
         if start is None:
             return sl[:]
         index = (slice(None),) * dim + (slice(start, stop),)
