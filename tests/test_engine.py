@@ -875,6 +875,10 @@ def test_checkpoint_without_weights_fails_before_ray_starts(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="no weights: neither model.safetensors nor "
                                               "model.safetensors.index.json"):
         Engine(cfg_only, world_size=1, topology="local")
+    open(os.path.join(cfg_only, "pytorch_model.bin"), "wb").close()  # (another format)
+    with pytest.raises(CheckpointError, match=r"index.json \(it holds pytorch_model.bin: only "
+                                              "HF's safetensors layout is read; convert it"):
+        Engine(cfg_only, world_size=1, topology="local")
     assert ray.is_initialized() == started
 
 

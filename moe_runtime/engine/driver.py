@@ -219,9 +219,14 @@ def check_weights(model_dir: str) -> None:
     """
     from ..models.loader import INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE)):
-        raise CheckpointError(f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} "
-                              "(a config-only checkpoint, e.g. make-checkpoint --preset qwen3-30b-a3b "
-                              "without --force, cannot generate)")
+        other = sorted(f for f in os.listdir(model_dir)
+                       if f.endswith((".bin", ".pt", ".pth", ".safetensors", ".gguf")))
+        raise CheckpointError(f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} " + (
+            f"(it holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}: only HF's "
+            "safetensors layout is read; convert it with transformers: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir))" if other else
+            "(a config-only checkpoint, e.g. make-checkpoint --preset qwen3-30b-a3b without "
+            "--force, cannot generate)"))
     CheckpointReader(model_dir).close()
 
 
