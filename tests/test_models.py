@@ -357,8 +357,15 @@ def test_generation_config_eos_ids_are_stop_ids(ckpts, tmp_path):
     assert read_spec(d)[0].eos_token_ids == (0, 5, 7)
     json.dump({"eos_token_id": 9}, open(gen, "w"))
     assert read_spec(d)[0].eos_token_ids == (0, 9)
+    json.dump({"eos_token_id": [0, "x"]}, open(gen, "w"))  # (a bare int() error named no file)
+    with pytest.raises(ValueError, match=f"{d}/generation_config.json: ValueError: invalid literal"):
+        read_spec(d)
     os.remove(gen)
     assert read_spec(d)[0].eos_token_ids == (0,)
+    cfg_path = os.path.join(d, "config.json")  # values the architecture refuses: the file named
+    json.dump({**json.load(open(cfg_path)), "num_experts_per_tok": 99}, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match=f"{d}/config.json: "):
+        read_spec(d)
 
 
 def _load_rank(rank: int, world_size: int, model_dir: str):

@@ -66,8 +66,9 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
 
     Raises:
         FileNotFoundError: no config.json in model_dir.
-        ValueError: a config.json transformers cannot read (e.g. a field of the wrong type),
-            unsupported model_type or dtype, or a quantized checkpoint (config.json has
+        ValueError: a config.json transformers cannot read (e.g. a field of the wrong type) or
+            whose values the architecture refuses (named with the file), unsupported model_type
+            or dtype, an unreadable generation_config.json, or a quantized checkpoint (config.json has
             a `quantization_config`: FP8, GPTQ, AWQ, ...; only float32/bfloat16/float16 weights
             are read).
     """
@@ -88,10 +89,17 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
         raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config, "
                          f"quant_method {method!r}); use a float32, bfloat16 or float16 checkpoint")
     arch = get_architecture(cfg.model_type)
-    spec = arch.spec_from_config(cfg, resolve_dtype(dtype, cfg))
+    compute = resolve_dtype(dtype, cfg)  # (a bad `dtype` argument is the caller's: not wrapped)
+    try:
+        spec = arch.spec_from_config(cfg, compute)
+    except (TypeError, ValueError) as e:  # e.g. num_experts not divisible by n_group
+        raise ValueError(f"{model_dir}/config.json: {e}") from e
     if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         from transformers import GenerationConfig
-        more = eos_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        try:
+            more = eos_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        except (OSError, TypeError, ValueError) as e:  # e.g. an eos_token_id that is not an int
+            raise ValueError(f"{model_dir}/generation_config.json: {type(e).__name__}: {e}") from e
         spec = replace(spec, eos_token_ids=tuple(dict.fromkeys(spec.eos_token_ids + more)))
     return spec, arch
 
