@@ -60,7 +60,7 @@ def _shard_size(text: str) -> int:
         return parse_shard_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be a size such as 500MB, 2GB (units KB, MB, GB, TB) or a number of bytes, "
+            f"must be a size such as 500MB, 2GB (units B, KB, MB, GB, TB) or a number of bytes, "
             f"got {text!r}") from None
 
 

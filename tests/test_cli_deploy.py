@@ -261,7 +261,8 @@ def test_make_checkpoint_refuses_unusable_paths_and_seeds_before_writing(tmp_pat
     a_file.write_text("hi")
     for out, message in ((str(a_file), f"{a_file} exists and is not a directory"),
                          ("", "out_dir must be a directory path"),
-                         (str(a_file / "x"), f"cannot write a checkpoint at {a_file / 'x'}")):
+                         (str(a_file / "x"), f"cannot write a checkpoint at {a_file / 'x'}: "
+                                             f"{a_file} is not a directory")):  # (said File exists)
         assert cli_main(["make-checkpoint", out]) == 2  # (usage: checked before writing)
         err = capsys.readouterr().err
         assert err.startswith(f"moe-runtime: error: {message}") and len(err.splitlines()) == 1
@@ -319,7 +320,8 @@ def test_make_checkpoint_max_shard_size_is_checked(tmp_path, capsys):
     assert "argument --max-shard-size: must be a size such as 500MB, 2GB" in err
     assert not os.path.exists(tmp_path / "x")
     from moe_runtime.cli import build_parser
-    for ok, size in (("500MB", 500 * 10 ** 6), ("2GB", 2 * 10 ** 9), ("1000000", 10 ** 6)):
+    for ok, size in (("500MB", 500 * 10 ** 6), ("2GB", 2 * 10 ** 9), ("1000000", 10 ** 6),
+                     ("4096B", 4096)):
         assert build_parser().parse_args(["make-checkpoint", "--max-shard-size", ok, "o"]).max_shard_size == size
 
 
