@@ -291,8 +291,10 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         if engine is not None:
             engine.shutdown()
         _stop_ray()
-        signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGTERM, previous_term)
+        # (None: a handler installed outside Python, which cannot be put back from here)
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous_int is None
+                      else previous_int)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_term is None else previous_term)
 
 
 def _terminate(signum, frame):

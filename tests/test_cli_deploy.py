@@ -368,19 +368,27 @@ def test_sampling_options_without_temperature_are_named_as_unused(ckpt, capsys, 
             if named else "note:" not in err)
 
 
-@pytest.mark.parametrize("handler", [signal.SIG_IGN, lambda signum, frame: None],
-                         ids=["ignored", "own"])
-def test_generate_restores_the_callers_signal_handlers(ckpt, no_engine, handler):
+@pytest.mark.parametrize("handler", [signal.SIG_IGN, lambda signum, frame: None, None],
+                         ids=["ignored", "own", "outside-python"])
+def test_generate_restores_the_callers_signal_handlers(ckpt, no_engine, handler, monkeypatch):
     """(cli.main left SIGINT at Python's default handler: an ignored SIGINT under nohup, or a
     host program's own handler, was replaced.)"""
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        if handler is None:  # (getsignal's answer for a handler a C host installed)
+            real = signal.getsignal
+            monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGINT else real(s))
+        else:
+            signal.signal(signal.SIGINT, handler)
+            signal.signal(signal.SIGTERM, handler)
         with pytest.raises(AssertionError, match="the Engine was started"):
             cli_main(["generate", "--model", str(ckpt), "--prompt", "hi"])
-        assert signal.getsignal(signal.SIGINT) is handler
-        assert signal.getsignal(signal.SIGTERM) is handler
+        if handler is None:  # (restored to Python's own, not a TypeError hiding the result)
+            monkeypatch.undo()
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        else:
+            assert signal.getsignal(signal.SIGINT) is handler
+            assert signal.getsignal(signal.SIGTERM) is handler
     finally:
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])

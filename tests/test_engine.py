@@ -418,6 +418,12 @@ def test_bad_arguments_fail_before_ray_starts(ckpt):
     for bad in ("garbage", "10.0.0.1:0", "10.0.0.1:port", ":6379"):
         with pytest.raises(ValueError, match=f"GCS host:port \\(e.g. 10.0.0.1:6379\\), got '{bad}'"):
             Engine(ckpt, world_size=1, topology="local", ray_address=bad)
+    with pytest.raises(ValueError, match=r"'::1:6379': write an IPv6 host in brackets, \[::1\]:6379"):
+        Engine(ckpt, world_size=1, topology="local", ray_address="::1:6379")
+    from moe_runtime.engine.driver import check_ray_address
+    for ok in ("auto", "local", "ray://head:10001", "anyscale://prod", "[::1]:6379",
+               "head-1.cluster:6379", "localhost:6379"):
+        check_ray_address(ok)
     if not started and torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="2 GPU rank\\(s\\) need as many GPUs"):
             Engine(ckpt, world_size=2, topology="tp", device="cuda")
@@ -878,6 +884,10 @@ def test_checkpoint_without_weights_fails_before_ray_starts(ckpt, tmp_path):
     open(os.path.join(cfg_only, "pytorch_model.bin"), "wb").close()  # (another format)
     with pytest.raises(CheckpointError, match=r"index.json \(it holds pytorch_model.bin: only "
                                               "HF's safetensors layout is read; convert it"):
+        Engine(cfg_only, world_size=1, topology="local")
+    open(os.path.join(cfg_only, "model-00001-of-00002.safetensors"), "wb").close()
+    with pytest.raises(CheckpointError, match=r"the shards' index, model.safetensors.index.json, "
+                                              "is missing"):
         Engine(cfg_only, world_size=1, topology="local")
     assert ray.is_initialized() == started
 

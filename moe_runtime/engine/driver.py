@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections.abc
 import logging
 import os
+import re
 import time
 import warnings
 import weakref
@@ -221,9 +222,11 @@ def check_weights(model_dir: str) -> None:
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE)):
         other = sorted(f for f in os.listdir(model_dir)
                        if f.endswith((".bin", ".pt", ".pth", ".safetensors", ".gguf")))
+        held = f"it holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}"
+        shards = [f for f in other if re.fullmatch(r".+-\d+-of-\d+\.safetensors", f)]
         raise CheckpointError(f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} " + (
-            f"(it holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}: only HF's "
-            "safetensors layout is read; convert it with transformers: "
+            f"({held}: the shards' index, {INDEX_FILE}, is missing)" if shards else
+            f"({held}: only HF's safetensors layout is read; convert it with transformers: "
             "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir))" if other else
             "(a config-only checkpoint, e.g. make-checkpoint --preset qwen3-30b-a3b without "
             "--force, cannot generate)"))
@@ -806,7 +809,8 @@ def check_ray_address(address, source: str = "ray_address") -> None:
     Raises:
         ValueError: not a non-empty str; an http(s):// URL (Ray's dashboard / job API, which
             `ray job submit` takes: ray.init would retry it without end); none of "auto",
-            "local", ray://... (Ray Client) and host:port with a port in 1..65535.
+            "local", scheme://... (ray:// is Ray Client) and host:port with a port in
+            1..65535 (an IPv6 host in brackets).
     """
     if not isinstance(address, str) or not address.strip():
         raise ValueError(f"{source} must be 'auto' or the cluster's GCS host:port, got "
@@ -814,9 +818,12 @@ def check_ray_address(address, source: str = "ray_address") -> None:
     if address.startswith(("http://", "https://")):
         raise ValueError(f"{source} {address!r} is an HTTP address (Ray's dashboard and job "
                          f"API, which `ray job submit` takes); {_GCS_HINT}")
-    if address in ("auto", "local") or address.startswith("ray://"):
+    if address in ("auto", "local") or "://" in address:  # (ray://: Ray Client, and others')
         return
     host, _, port = address.rpartition(":")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"{source} {address!r}: write an IPv6 host in brackets, "
+                         f"[{host}]:{port}")
     if not host.strip() or not (port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"{source} must be 'auto' or the cluster's GCS host:port (e.g. "
                          f"10.0.0.1:6379), got {address!r}")

@@ -68,9 +68,9 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
         FileNotFoundError: no config.json in model_dir.
         ValueError: a config.json transformers cannot read (e.g. a field of the wrong type) or
             whose values the architecture refuses (named with the file), unsupported model_type
-            or dtype, an unreadable generation_config.json, or a quantized checkpoint (config.json has
-            a `quantization_config`: FP8, GPTQ, AWQ, ...; only float32/bfloat16/float16 weights
-            are read).
+            or dtype, an unreadable generation_config.json, or a quantized checkpoint (config.json
+            has a `quantization_config`: FP8, GPTQ, AWQ, ...; only float32 / bfloat16 / float16
+            / float64 weights are read).
     """
     from transformers import AutoConfig
 
@@ -87,7 +87,7 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
         raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config, "
-                         f"quant_method {method!r}); use a float32, bfloat16 or float16 checkpoint")
+                         f"quant_method {method!r}); use a float32, bfloat16, float16 or float64 checkpoint")
     arch = get_architecture(cfg.model_type)
     compute = resolve_dtype(dtype, cfg)  # (a bad `dtype` argument is the caller's: not wrapped)
     try:
@@ -188,7 +188,8 @@ class CheckpointReader:
             CheckpointError: the tensor is missing (names the files searched) or not in the
                 shard the index names for it (names the shard), or its shape in
                 the file differs from `shape` or it is stored in a dtype other than F32, BF16,
-                F16 (e.g. FP8 or int quantized weights; names the tensor, the file and the dtype).
+                F16, F64 (e.g. FP8 or int quantized weights; names the tensor, the file and the
+                dtype).
         """
         if key not in self.weight_map:
             files = sorted(set(self.weight_map.values()))
