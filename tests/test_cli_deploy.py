@@ -338,7 +338,7 @@ def no_engine(monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--prompt", "hi", "--prompt", ""], "prompt 1 is empty"),
     (["--prompt", "hi", "--prompt", "hello world", "--max-new-tokens", "510"],
-     "prompt 1 (5 tokens) + max_new_tokens (510) exceeds max_position_embeddings (512)"),
+     "prompt 1 (5 tokens) + max_new_tokens (510) - 1 exceeds max_position_embeddings (512)"),
     (["--prompt", "hi", "--world-size", "3"], "num_experts (8) must be divisible by world_size (3)"),
     (["--prompt", "hi", "--world-size", "2", "--topology", "local"], "topology 'local' needs world size 1"),
     (["--prompt", "hi", "--world-size", "2", "--topology", "tp", "--attention", "dp"],

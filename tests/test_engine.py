@@ -222,9 +222,13 @@ def test_a_rank_that_raises_fails_the_driver_naming_the_rank(ray_session, ckpt):
     assert e.value.rank == 1
     assert _wait_gone(pids) == []
     assert eng.workers == [] and eng.placement_group is None
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(RuntimeError, match=r"the engine's ranks are gone \(rank 1 failed during "
+                                           r"generate: RuntimeError: injected fault.*\): build a "
+                                           r"new Engine"):  # (it said "shut down")
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     eng.shutdown()
+    with pytest.raises(RuntimeError, match="the engine is shut down"):
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
 
 
 def test_a_stalled_rank_is_named_not_the_peer_that_timed_out(ray_session, ckpt):
@@ -823,9 +827,12 @@ def test_check_prompts_names_the_prompt(ckpt):
         check_prompts([[1, 2], [], [3]], spec, 4)
     with pytest.raises(ValueError, match=r"prompt 2 has 512"):
         check_prompts([[1], [2], [3, 512]], spec, 4)
-    with pytest.raises(ValueError, match=r"prompt 1 \(3 tokens\) \+ max_new_tokens \(510\) exceeds "
-                                         r"max_position_embeddings \(512\)"):
-        check_prompts([[1, 2], [1, 2, 3]], spec, 510)
+    # positions fed: the prompt's and every new token's but the last (sampled, never fed)
+    check_prompts([[1, 2], [1, 2, 3]], spec, 510)
+    check_prompts([[1] * 512], spec, 1)  # (was refused)
+    with pytest.raises(ValueError, match=r"prompt 1 \(3 tokens\) \+ max_new_tokens \(511\) - 1 "
+                                         r"exceeds max_position_embeddings \(512\)"):
+        check_prompts([[1, 2], [1, 2, 3]], spec, 511)
 
 
 def test_bad_sampling_params_never_reach_the_ranks(ckpt):
@@ -852,12 +859,16 @@ def test_bad_sampling_params_never_reach_the_ranks(ckpt):
                      ([[1, "5"]], r"prompt 0 token 1 must be an int, got str '5'"),
                      ([[1], [2.5]], r"prompt 1 token 0 must be an int, got float 2.5"),
                      ([[True]], r"prompt 0 token 0 must be an int, got bool True"),
-                     ("12", "prompt_ids must be a list of token id lists, got str"),
+                     ("12", "prompt_ids must be a list of token id lists .*, got str"),
                      ([7], "prompt 0 must be a sequence of token ids, got int 7"),
                      ([memoryview(b"ab")], "prompt 0 must be a sequence of token ids, got "
                                            "memoryview"),
                      ([{3, 1, 2}], "prompt 0 must be a sequence of token ids, got set"),
-                     ({(1, 2), (3,)}, "prompt_ids must be a list of token id lists, got set")):
+                     ({(1, 2), (3,)}, "prompt_ids must be a list of token id lists .*, got set"),
+                     (torch.tensor([1, 2]), r"got a 1-d tensor"),  # (torch's 0-d tensor error)
+                     ([torch.tensor(5)], "prompt 0 must be a sequence of token ids, got a 0-d "
+                                         "tensor"),
+                     ([torch.tensor([1.0])], "prompt 0 token 0 must be an int, got float 1.0")):
         with pytest.raises(TypeError, match=msg):
             eng.generate_ids(bad, SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="prompts labels 1 completions, prompt_ids has 2"):

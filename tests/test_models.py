@@ -919,6 +919,33 @@ def test_sampler_tiny_temperature_is_greedy(temperature):
     assert all(sample(logits, p, gens).tolist() == [1, 2, 0] for _ in range(10))
 
 
+def test_the_last_position_is_used_and_its_answer_is_hf(ckpts):
+    """check_prompts lets prompt + max_new_tokens - 1 reach max_position_embeddings (the last
+    new token is never fed): the longest allowed request runs, HF's ids."""
+    d = ckpts["qwen3-moe"]
+    model = load_model(d, Parallel(), progress=False)
+    L = model.spec.max_position_embeddings
+    prompt = encode(d, PROMPTS)[0]
+    prompt = (prompt * (L // len(prompt) + 1))[:L - 2]  # positions 0 .. L - 3, then L - 2, L - 1
+    out = run_requests(model, [prompt], [0], SamplingParams(max_new_tokens=3), stop_ids=[])
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, min_new_tokens=3)
+    assert out.token_ids == [want[0, len(prompt):].tolist()]
+
+
+def test_sampler_extreme_temperature_and_top_p_beyond_float32():
+    """A temperature above fp32's largest (it rounded to inf: -inf / inf = nan with top_k) and a
+    top_p below fp32's smallest (it rounded to 0 and dropped every token) killed every rank."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [-2.0, -50.0, 40.0, 39.5]])
+    gens = request_generators(0, [0, 1])
+    hot = SamplingParams(temperature=1e39, top_k=3)
+    draws = {tuple(sample(logits, hot, gens).tolist()) for _ in range(200)}
+    assert {d[0] for d in draws} == {0, 1, 2} and {d[1] for d in draws} == {0, 2, 3}  # top 3, ~uniform
+    narrow = SamplingParams(temperature=1.0, top_p=1e-50)
+    assert all(sample(logits, narrow, gens).tolist() == [1, 2] for _ in range(20))  # greedy
+
+
 def test_assign_requests_balances_prompt_tokens():
     assert assign_requests([5, 1, 1], 2, data_parallel=False) == [[0, 1, 2], [0, 1, 2]]
     assert assign_requests([5, 1, 1, 4], 2, data_parallel=True) == [[0, 2], [1, 3]]  # loads 6, 5

@@ -20,6 +20,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import torch
+
 from .sampler import SamplingParams, as_int, as_real
 from .scheduler import RankOutput, assign_requests
 
@@ -68,7 +70,13 @@ class Completion:
 
 @dataclass
 class GenerationResult:
-    """Completions in request order plus the run's topology and throughput."""
+    """Completions in request order plus the run's topology and throughput.
+
+    prefill_tokens counts the prompts' tokens and prefill_s the wall time of the iterations
+    that ran a prefill (each also samples its requests' first token); decode_tokens counts the
+    tokens the decode steps produced, i.e. each completion's tokens but its first (none with
+    max_new_tokens=1), and decode_s their wall time.
+    """
 
     completions: list[Completion]
     topology: str
@@ -139,16 +147,29 @@ _NOT_ID_LISTS = (str, bytes, bytearray, memoryview, collections.abc.Mapping, col
 def token_id_lists(prompt_ids) -> list[list[int]]:
     """prompt_ids as one list of Python ints per prompt.
 
+    Args:
+        prompt_ids: a sequence of prompts, each a sequence of token ids (an integer tensor of
+            one dimension included), or a 2-D integer tensor (a prompt per row).
+
     Raises:
         TypeError: text, bytes (bytes-like included), a mapping or a set (no order) where the
-            prompts or one prompt's ids should be, a prompt that is not a sequence, or a token
-            id that is not an int (`as_int`), each named by its prompt (and position).
+            prompts or one prompt's ids should be, a prompt that is not a sequence (a tensor of
+            another dimension included), or a token id that is not an int (`as_int`), each
+            named by its prompt (and position).
     """
-    if isinstance(prompt_ids, _NOT_ID_LISTS) or not hasattr(prompt_ids, "__iter__"):
-        raise TypeError(f"prompt_ids must be a list of token id lists, got "
-                        f"{type(prompt_ids).__name__}")
+    tensor = isinstance(prompt_ids, torch.Tensor)
+    if isinstance(prompt_ids, _NOT_ID_LISTS) or not hasattr(prompt_ids, "__iter__") or (
+            tensor and prompt_ids.dim() != 2):
+        raise TypeError(f"prompt_ids must be a list of token id lists (or a 2-D tensor, a prompt "
+                        f"per row), got " + (f"a {prompt_ids.dim()}-d tensor" if tensor else
+                                             type(prompt_ids).__name__))
     out = []
     for i, p in enumerate(prompt_ids):
+        if isinstance(p, torch.Tensor):  # (a 0-d one has __len__ but no length)
+            if p.dim() != 1:
+                raise TypeError(f"prompt {i} must be a sequence of token ids, got a "
+                                f"{p.dim()}-d tensor")
+            p = p.tolist()
         if isinstance(p, _NOT_ID_LISTS) or not hasattr(p, "__len__"):
             raise TypeError(f"prompt {i} must be a sequence of token ids, got "
                             f"{type(p).__name__} {p!r:.60} (text goes to Engine.generate)")
@@ -176,7 +197,8 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
             an int (a bool, a float or a str such as "5" included; numpy integers and
             one-element integer tensors are ints).
         ValueError: a prompt without tokens (named by its index), a token id outside
-            [0, vocab_size), or the longest prompt + max_new_tokens over max_position_embeddings.
+            [0, vocab_size), or the longest prompt + max_new_tokens - 1 (the positions fed: the
+            last new token is never) over max_position_embeddings.
     """
     prompt_ids = token_id_lists(prompt_ids)
     empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
@@ -189,9 +211,10 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
                          f"{bad[0][1]}")
     limit = spec.max_position_embeddings
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]), default=None)
-    if longest is not None and len(prompt_ids[longest]) + max_new_tokens > limit:
+    # (the last new token is sampled, never fed: positions up to len + max_new_tokens - 2)
+    if longest is not None and len(prompt_ids[longest]) + max_new_tokens - 1 > limit:
         raise ValueError(f"prompt {longest} ({len(prompt_ids[longest])} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) exceeds max_position_embeddings ({limit})")
+                         f"({max_new_tokens}) - 1 exceeds max_position_embeddings ({limit})")
     return prompt_ids
 
 
@@ -337,6 +360,7 @@ class Engine:
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.cuda_graphs = bool(cuda_graphs)
         self.workers: list = []
+        self._stopped_by: Optional[str] = None  # why the ranks were killed (a call's failure)
         self.worker_pids: list[int] = []
         self.placement_group = None
         self.topology: Optional[str] = None
@@ -571,10 +595,14 @@ class Engine:
                         results[r] = ray.get(ref)
                     except Exception as e:  # RayTaskError (the rank raised) or RayActorError (died)
                         raise self._fail(r, what, e, refs) from None
-        except (KeyboardInterrupt, SystemExit):
+        except RankError as e:
+            self._stopped_by = str(e)
+            raise
+        except (KeyboardInterrupt, SystemExit) as e:
             # interrupted while ranks still run this call: they would take no other call (e.g.
             # shutdown's) before it ends, so they are killed now
             self._kill_workers()
+            self._stopped_by = f"{type(e).__name__} during {what}"
             raise
         return [results[r] for r in ranks]
 
@@ -662,7 +690,7 @@ class Engine:
             TypeError: params not a SamplingParams, or one whose max_new_tokens / seed was set
                 to a non-int after construction (nothing reaches the ranks; the engine lives on).
             ValueError: an empty prompt, a token id (of a prompt or stop_token_ids) outside
-                the vocabulary, prompt + max_new_tokens over max_position_embeddings, a prompt
+                the vocabulary, prompt + max_new_tokens - 1 over max_position_embeddings, a prompt
                 that is not UTF-8 text (e.g. a lone surrogate from undecodable bytes), or
                 max_batch_size < 1.
             TypeError: also a prompt that is not a str (use generate_ids for token ids), or
@@ -687,7 +715,10 @@ class Engine:
                      fail_at_step: Optional[dict[int, int]] = None) -> GenerationResult:
         """Like generate() with token ids; `prompts` only labels the completions."""
         if not self.workers:
-            raise RuntimeError("the engine is shut down")
+            why = getattr(self, "_stopped_by", None)
+            raise RuntimeError("the engine is shut down" if why is None else
+                               f"the engine's ranks are gone ({why}): build a new Engine (call "
+                               "this one's shutdown() first)")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if max_batch_size is not None:
@@ -770,6 +801,7 @@ class Engine:
         if ours and ray.is_initialized():
             self._kill_workers()
         self.workers, self.placement_group = [], None
+        self._stopped_by = None  # (shut down now, whatever stopped the ranks before)
         if self._started_ray and ours:
             ray.shutdown()  # (safe on a Ray that never finished starting)
             _EMBEDDED.clear()  # (whatever it named is not running now)

@@ -132,10 +132,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
     if params.top_k is not None and params.top_k < shifted.shape[-1]:
         kth = shifted.topk(params.top_k, dim=-1).values[:, -1:]
         shifted = shifted.masked_fill(shifted < kth, float("-inf"))  # (ties at the k-th kept)
-    probs = torch.softmax(shifted / params.temperature, dim=-1)
+    # (a temperature above fp32's largest would round to inf, and -inf / inf is nan)
+    probs = torch.softmax(shifted / min(params.temperature, torch.finfo(torch.float32).max), dim=-1)
     if params.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p          # mass of the more likely tokens
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        drop = before >= params.top_p
+        drop[:, 0] = False  # the most likely token always stays (a top_p below fp32's smallest
+        sorted_p = sorted_p.masked_fill(drop, 0.0)  # value rounds to 0 there and dropped all)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])

@@ -111,7 +111,8 @@ def run_requests(model, prompts: Sequence[Sequence[int]], request_ids: Sequence[
     """Prefill and decode this rank's requests in lockstep with the other ranks, with
     continuous batching: at most `max_batch_size` sequences hold a slot of the KV cache; a
     request that finishes frees its slot, and the next waiting request is prefilled into it
-    (one prefill forward for all requests placed at once) while the others keep decoding.
+    (one prefill forward for all requests placed at once; the others wait for that forward,
+    then decode with it).
 
     Every forward pass is collective under a multi-rank topology: under dp_* the ranks agree
     before each one (a small all-reduce) on whether it is a prefill (some rank placed

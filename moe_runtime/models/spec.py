@@ -62,7 +62,8 @@ class ModelSpec:
             (MoECausalLM.new_cache).
         rms_norm_eps: epsilon of every RMSNorm.
         sliding_window: attend to at most this many previous positions (None = full causal).
-        max_position_embeddings: the longest prompt + generation the engine accepts.
+        max_position_embeddings: the most positions the engine feeds a request (its prompt +
+            max_new_tokens - 1: the last new token is sampled, not fed).
         moe: MoEConfig of every MoE layer (dtype = the model's dtype).
         dense_layers: indices of layers with a dense SwiGLU MLP instead of MoE (Qwen3
             `mlp_only_layers` / `decoder_sparse_step`, GLM-4-MoE `first_k_dense_replace`),
