@@ -160,9 +160,9 @@ def token_id_lists(prompt_ids) -> list[list[int]]:
     tensor = isinstance(prompt_ids, torch.Tensor)
     if isinstance(prompt_ids, _NOT_ID_LISTS) or not hasattr(prompt_ids, "__iter__") or (
             tensor and prompt_ids.dim() != 2):
+        got = f"a {prompt_ids.dim()}-d tensor" if tensor else type(prompt_ids).__name__
         raise TypeError(f"prompt_ids must be a list of token id lists (or a 2-D tensor, a prompt "
-                        f"per row), got " + (f"a {prompt_ids.dim()}-d tensor" if tensor else
-                                             type(prompt_ids).__name__))
+                        f"per row), got {got}")
     out = []
     for i, p in enumerate(prompt_ids):
         if isinstance(p, torch.Tensor):  # (a 0-d one has __len__ but no length)
