@@ -215,8 +215,9 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
         FileNotFoundError, ValueError (CheckpointError): no config.json, no weights, no
             tokenizer, bad config.
     """
-    from .engine.driver import (check_prompts, check_ray_address, check_weights, check_world_size,
-                                choose_topology, load_tokenizer)
+    from .engine.driver import (check_local_gpus, check_prompts, check_ray_address,
+                                check_weights, check_world_size, choose_topology,
+                                load_tokenizer)
     from .models import read_spec
     if not os.path.isdir(model_dir):
         raise UsageError(f"--model {model_dir}: " + ("not a directory" if os.path.exists(model_dir)
@@ -236,6 +237,10 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
             args.topology == "auto" and args.attention == "tp"))
         if args.topology != "auto":
             choose_topology(args.topology, world_size)
+        if (args.device == "cuda" and getattr(args, "ray_address", None) is None
+                and not os.environ.get("RAY_ADDRESS")):  # (an embedded Ray: this machine's GPUs)
+            import torch
+            check_local_gpus(world_size, torch.cuda.device_count())
     except ValueError as e:
         demo = " (the demo runs --world-size 2 unless told otherwise)" if (
             args.command == "demo" and "world size" in str(e)) else ""

@@ -297,6 +297,22 @@ def test_deploy_entry_help_names_itself_and_its_ray_default(capsys):
     assert "moe-runtime generate" not in out and "default: $RAY_ADDRESS (set by" in " ".join(out.split())
 
 
+def test_cuda_ranks_beyond_this_machines_gpus_are_a_usage_error(ckpt, capsys, no_engine,
+                                                                 monkeypatch):
+    """On an embedded Ray (no --ray-address / RAY_ADDRESS) GPU ranks need this machine's GPUs
+    (the Engine refused it, exit 1); a joined cluster may have them elsewhere."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = ["generate", "--model", str(ckpt), "--prompt", "hi", "--device", "cuda",
+            "--world-size", "2"]
+    assert cli_main(argv) == 2
+    assert ("device 'cuda': 2 GPU rank(s) need as many GPUs, this machine has 1 (lower "
+            "--world-size or use --device cpu)") in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="the Engine was started"):
+        cli_main(argv + ["--ray-address", "10.0.0.1:6379"])
+
+
 def test_ray_address_from_the_environment_is_checked_and_empty_is_unset(ckpt, capsys, no_engine,
                                                                        monkeypatch):
     """RAY_ADDRESS=garbage ended in Ray's bare "Invalid address format" (exit 1); an empty

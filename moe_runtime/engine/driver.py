@@ -479,11 +479,8 @@ class Engine:
             kw = dict(address="local", include_dashboard=False,
                       object_store_memory=128 * 1024 ** 2, logging_level=logging.WARNING)
             import torch
-            here = extra.get("num_gpus", torch.cuda.device_count())
-            if device == "cuda" and here < self.world_size:
-                raise ValueError(f"device 'cuda': {self.world_size} GPU rank(s) need as many "
-                                 f"GPUs, this machine has {here:g} (lower --world-size or use "
-                                 f"--device cpu)")
+            if device == "cuda":
+                check_local_gpus(self.world_size, extra.get("num_gpus", torch.cuda.device_count()))
             if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
                 kw["num_cpus"] = self.world_size
                 kw["num_gpus"] = 0
@@ -832,6 +829,17 @@ def _cause(err: Exception) -> BaseException:
 
 _GCS_HINT = ("join the cluster at its GCS address instead: 'auto' on a node of the cluster, "
              "or host:6379 (the port of `ray start --head`)")
+
+
+def check_local_gpus(world_size: int, gpus: float) -> None:
+    """GPU ranks on an embedded Ray (this machine only) need world_size GPUs here.
+
+    Raises:
+        ValueError: fewer than world_size GPUs.
+    """
+    if gpus < world_size:
+        raise ValueError(f"device 'cuda': {world_size} GPU rank(s) need as many GPUs, this "
+                         f"machine has {gpus:g} (lower --world-size or use --device cpu)")
 
 
 def check_ray_address(address, source: str = "ray_address") -> None:
