@@ -123,7 +123,8 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
                    help="auto: GPU ranks when the Ray cluster has any GPU, else CPU ranks")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="compute dtype (auto: the checkpoint's)")
-    p.add_argument("--timeout", type=_float_in(f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] (seconds)",
+    p.add_argument("--timeout", type=_float_in(f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] "
+                                               "(seconds)",
                                                lambda t: MIN_TIMEOUT_S <= t <= MAX_TIMEOUT_S),
                    default=300.0,
                    help="bound on each phase (start, load), seconds; generation may run "
@@ -225,11 +226,13 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     spec = read_spec(model_dir, args.dtype)[0]
     check_weights(model_dir)
     world_size = args.world_size
+    address = getattr(args, "ray_address", None)
     try:
-        if getattr(args, "ray_address", None) is not None:
-            check_ray_address(args.ray_address, "--ray-address")
+        if address is not None:
+            check_ray_address(address, "--ray-address")
         elif os.environ.get("RAY_ADDRESS"):  # (the Engine joins it; "" counts as unset)
-            check_ray_address(os.environ["RAY_ADDRESS"], "RAY_ADDRESS in the environment")
+            address = os.environ["RAY_ADDRESS"]
+            check_ray_address(address, "RAY_ADDRESS in the environment")
         if args.attention is not None and args.topology != "auto":
             raise ValueError(f"--attention applies to --topology auto only; topology "
                              f"{args.topology!r} fixes how attention is split")
@@ -237,8 +240,7 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
             args.topology == "auto" and args.attention == "tp"))
         if args.topology != "auto":
             choose_topology(args.topology, world_size)
-        if (args.device == "cuda" and getattr(args, "ray_address", None) is None
-                and not os.environ.get("RAY_ADDRESS")):  # (an embedded Ray: this machine's GPUs)
+        if args.device == "cuda" and address is None:  # (an embedded Ray: this machine's GPUs)
             import torch
             check_local_gpus(world_size, torch.cuda.device_count())
     except ValueError as e:

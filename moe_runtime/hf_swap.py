@@ -44,8 +44,8 @@ Differences from the HF module, by design:
       `shared_expert_gate.weight`, ...) and its load_state_dict takes them (state_dict hooks,
       `_hf_names`), so `save_pretrained` after the swap writes a checkpoint HF loads as is, and
       an HF state_dict loads into the swapped model (strict loading names missing keys as HF
-      does; a tensor given under both names is an unexpected key). The renamed submodules are also reachable
-      under the HF names (`MoELayer.module_aliases`), so every key is an attribute path and
+      does; a tensor given under both names is an unexpected key). The renamed submodules are
+      also reachable under the HF names (`MoELayer.module_aliases`), so every key is an attribute path and
       torch.distributed.checkpoint's get/set_model_state_dict work on the model itself. Not
       under DDP, FSDP2 or a torch.compile wrapper: those walk the parameters' own names, which
       stay MoELayer's (`router.weight`, where the state_dict says `gate.weight`); optimizer

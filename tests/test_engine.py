@@ -428,6 +428,8 @@ def test_bad_arguments_fail_before_ray_starts(ckpt):
     for ok in ("auto", "local", "ray://head:10001", "anyscale://prod", "[::1]:6379",
                "head-1.cluster:6379", "localhost:6379"):
         check_ray_address(ok)
+    from moe_runtime.engine.driver import _check_reachable
+    _check_reachable("anyscale://prod", 1.0)  # (a scheme's own connection: no TCP probe here)
     if not started and torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="2 GPU rank\\(s\\) need as many GPUs"):
             Engine(ckpt, world_size=2, topology="tp", device="cuda")

@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 #: Group timeout when none is given; override with MOE_RUNTIME_COMM_TIMEOUT_S (seconds).
 DEFAULT_TIMEOUT_S = 300.0
+#: The shortest bound: c10d counts whole milliseconds and takes 0 ms as "no timeout".
+MIN_TIMEOUT_S = 1e-3
 
 
 class CollectiveError(RuntimeError):
@@ -68,7 +70,7 @@ def check_timeout_s(timeout_s: Optional[float]) -> Optional[float]:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be None or a number of seconds, got "
                         f"{type(timeout_s).__name__} {timeout_s!r}")
-    if not (math.isfinite(timeout_s) and timeout_s >= 1e-3):
+    if not (math.isfinite(timeout_s) and timeout_s >= MIN_TIMEOUT_S):
         raise ValueError(f"timeout_s must be None or a finite number of seconds >= 0.001 (c10d "
                          f"counts whole milliseconds; 0 ms means no bound), got {timeout_s!r}")
     return float(timeout_s)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..comm.groups import MIN_TIMEOUT_S
 from .sampler import SamplingParams, as_int, as_real
 from .scheduler import RankOutput, assign_requests
 
@@ -40,10 +41,8 @@ def _current_gcs(ray) -> Optional[str]:
 
 TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
 # the longest bound a phase may have (~11.6 days): Ray's and torch.distributed's waits overflow
-# further up (1e10 s: the rendezvous' socket timeout, inf: ray.wait); the shortest, c10d's
-# whole millisecond (comm.groups.check_timeout_s, which the ranks apply)
+# further up (1e10 s: the rendezvous' socket timeout, inf: ray.wait); the shortest is the ranks'
 MAX_TIMEOUT_S = 1e6
-MIN_TIMEOUT_S = 1e-3
 
 
 _SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent, _advanced)
@@ -247,7 +246,8 @@ def check_weights(model_dir: str) -> None:
                        if f.endswith((".bin", ".pt", ".pth", ".safetensors", ".gguf")))
         held = f"it holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}"
         shards = [f for f in other if re.fullmatch(r".+-\d+-of-\d+\.safetensors", f)]
-        raise CheckpointError(f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} " + (
+        raise CheckpointError(
+            f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} " + (
             f"({held}: the shards' index, {INDEX_FILE}, is missing)" if shards else
             f"({held}: only HF's safetensors layout is read; convert it with transformers: "
             "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir))" if other else
@@ -303,8 +303,9 @@ class Engine:
         dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
         backend: kernel backend ("auto", "reference", "cute").
         timeout_s: bound on every phase (placement, rendezvous, collectives, load), seconds in
-            [MIN_TIMEOUT_S, MAX_TIMEOUT_S] (1 ms .. ~11.6 days); generate may take longer as long as its ranks make progress
-            (a decoder layer of a forward pass) within every timeout_s.
+            [MIN_TIMEOUT_S, MAX_TIMEOUT_S] (1 ms .. ~11.6 days); generate may take longer as
+            long as its ranks make progress (a decoder layer of a forward pass) within every
+            timeout_s.
         progress: tqdm bars while loading (shown through Ray's log forwarding).
         ray_init_kwargs: extra ray.init arguments for the embedded start.
         cuda_graphs: replay each decode step from a CUDA graph where every rank allows it
@@ -478,7 +479,6 @@ class Engine:
             # that cluster and refuses num_cpus/num_gpus. Pass ray_address="auto" to join it.
             kw = dict(address="local", include_dashboard=False,
                       object_store_memory=128 * 1024 ** 2, logging_level=logging.WARNING)
-            import torch
             if device == "cuda":
                 check_local_gpus(self.world_size, extra.get("num_gpus", torch.cuda.device_count()))
             if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
@@ -904,7 +904,7 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                 f"recorded on this node, or RAY_ADDRESS), which cannot be reached: {e}. Start "
                 "one (`ray start --head`) or pass the live cluster's GCS host:port") from e
         return
-    if address.startswith("ray://") or ":" not in address:
+    if "://" in address or ":" not in address:  # (Ray Client and other schemes: their own)
         return
     host, _, port = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:port

@@ -87,7 +87,8 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
         raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config, "
-                         f"quant_method {method!r}); use a float32, bfloat16, float16 or float64 checkpoint")
+                         f"quant_method {method!r}); use a float32, bfloat16, float16 or float64 "
+                         "checkpoint")
     arch = get_architecture(cfg.model_type)
     compute = resolve_dtype(dtype, cfg)  # (a bad `dtype` argument is the caller's: not wrapped)
     try:

@@ -61,14 +61,6 @@ Numbers like 1 2 3 4 5 6 7 8 9 10 and words like hello, world, token, expert, ra
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
 
 
-def _ancestors(path: str) -> list[str]:
-    """path and each directory above it (absolute path)."""
-    out = [path]
-    while os.path.dirname(out[-1]) != out[-1]:
-        out.append(os.path.dirname(out[-1]))
-    return out
-
-
 def parse_shard_size(size: Union[str, int]) -> int:
     """A shard size in bytes: an int, or a number with a unit B, KB, MB, GB or TB (powers of 10,
     as huggingface_hub reads them; any case), e.g. "200KB", "1.5GB", "1000000", "4096B".
@@ -292,10 +284,11 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} exists and is not empty")
     parent = os.path.dirname(os.path.abspath(out_dir))
-    blocked = next((p for p in _ancestors(parent) if os.path.exists(p) and not os.path.isdir(p)),
-                   None)
-    if blocked is not None:  # (makedirs would say "File exists")
-        raise ValueError(f"cannot write a checkpoint at {out_dir}: {blocked} is not a directory")
+    existing = parent
+    while not os.path.exists(existing):  # (the root exists)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):  # (makedirs would say "File exists")
+        raise ValueError(f"cannot write a checkpoint at {out_dir}: {existing} is not a directory")
     try:  # (before the weights are made: a path that cannot be written fails at once)
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".make_checkpoint-", dir=parent)
