@@ -139,6 +139,13 @@ class BucketedGraphs:
         self._stream: Optional[torch.cuda.Stream] = None  # warm-up and capture stream
         self.num_captures = 0  # graphs captured so far, recaptures included
 
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy of a layer, pickling) starts with no graph: captured graphs,
+        their memory pool and stream cannot be copied, and would replay the original's buffers."""
+        state = self.__dict__.copy()
+        state.update(_graphs={}, _static_in=None, _key=None, _pool=None, _stream=None)
+        return state
+
     @property
     def custom_capture(self) -> bool:
         """Whether a capture_fn stands in for the CUDA-graph capture (e.g. tests on CPU)."""

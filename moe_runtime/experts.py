@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import get_ops, resolve_backend
+from .kernels import check_backend_name, get_ops, resolve_backend
 from .kernels.grouped_gemm import (grouped_gemm, quack_supported, swiglu_grouped_gemm,
                                    tile_probe_rows)
 from .param_checks import CheckedModule
@@ -142,6 +142,7 @@ class Experts(CheckedModule):
         self.down_proj = _as_parameter(down_proj)
         self.intermediate_size = I
         self.use_grouped_mm = use_grouped_mm
+        check_backend_name(backend)
         self.backend = backend
 
     def reset_parameters(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from .config import _DTYPES, MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
-from .kernels import _log_once, check_backend_name, differentiable_kernels, resolve_backend
+from .kernels import _log_once, check_backend_name, differentiable_kernels
 from .param_checks import check_layer_submodule, note_assignment, structure_version, unwrapped
 from .routing import Router
 from .topologies.base import Topology
@@ -24,6 +25,11 @@ except ImportError:  # (a torch without distributed support)
 def _sharded(t: torch.Tensor) -> bool:
     """Whether t is a DTensor (an FSDP2 parameter not unsharded yet)."""
     return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _children_ids(layer: nn.Module, subs: tuple[nn.Module, ...]) -> tuple[int, ...]:
+    """ids of the children of the layer and of its submodules `subs`, in order."""
+    return tuple(id(c) for m in (layer, *subs) for c in m._modules.values())
 
 
 class MoELayer(nn.Module):
@@ -197,8 +203,10 @@ class MoELayer(nn.Module):
         device = torch.device(device if device is not None else self.router.weight.device)
         if device.type == "cpu":
             return True
-        return (device.type == "cuda" and self.topology.name == "local"
-                and resolve_backend(self.topology.backend, device) == "cute"
+        dtype = self._common_dtype()
+        c = self.config
+        return (device.type == "cuda" and self.topology.name == "local" and dtype is not None
+                and self.topology.resolved_backend(device, c.hidden_size, dtype, c.top_k) == "cute"
                 and self._kernels_sync_free(device))
 
     def graph_capturable(self, device=None) -> bool:
@@ -220,18 +228,22 @@ class MoELayer(nn.Module):
     def _kernels_sync_free(self, device: torch.device) -> bool:
         """Routing on the cute kernels and sync-free expert GEMMs on CUDA `device`."""
         dtype = self._common_dtype()
-        return (resolve_backend(self.router.backend, device) == "cute" and dtype is not None
+        return (dtype is not None
+                and self.router.resolved_backend(device, self.router.logits_dtype(dtype)) == "cute"
                 and self.experts.host_sync_free(device, dtype))
 
     def enable_cuda_graphs(self, buckets: Sequence[int] = DEFAULT_BUCKETS, *, capture: bool = False,
                            copy_output: bool = True, capture_fn: Optional[CaptureFn] = None) -> BucketedGraphs:
         """Replay CUDA graphs for calls of 1..max(buckets) tokens (padded up to a bucket).
 
-        Graph replay is used only where it cannot differ from eager: under `torch.no_grad()` /
-        `torch.inference_mode()`, outside another stream capture, on the layer's device, for
-        token counts within the buckets, and while no forward hook or pre-hook is registered on
-        a submodule or globally (a replay runs no Python; hooks on the layer itself are fine);
-        everything else runs eagerly. Graphs are recaptured
+        Graph replay is used only where it computes what eager computes: under
+        `torch.no_grad()` / `torch.inference_mode()`, outside another stream capture, on the
+        layer's device, for token counts within the buckets, and while no forward hook or
+        pre-hook is registered on a submodule or globally (a replay runs no Python; hooks on the
+        layer itself are fine); everything else runs eagerly. A call between two buckets runs
+        the expert kernels picked for its bucket's rows (Experts.forward: the GEMV or a grouped
+        GEMM), so its output may differ from eager's in the last bits (another fp32 summation
+        order). Graphs are recaptured
         after the weights move (`load_expert_weights`, a replaced parameter, `.to()`); in-place
         weight updates are seen by the replays as they are.
 
@@ -260,7 +272,7 @@ class MoELayer(nn.Module):
                 "quack-kernels)")
         self.cuda_graphs = BucketedGraphs(
             self._forward_tokens, hidden_size=self.config.hidden_size, dtype=self.dtype,
-            device=device, buckets=buckets, fingerprint=lambda: storage_fingerprint(self),
+            device=device, buckets=buckets, fingerprint=functools.partial(storage_fingerprint, self),
             copy_output=copy_output, capture_fn=capture_fn)
         if capture:
             self.cuda_graphs.capture()
@@ -322,12 +334,15 @@ class MoELayer(nn.Module):
         here). The shape is the config's for the router and the routed experts, the one at the
         walk for the others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
         submodule of this package's modules is assigned or the layer converted
-        (param_checks.structure_version); under torch.compile walked afresh (traced once,
-        guarded by dynamo). A DeepSeek-V3 router may keep its weight in fp32 whatever the
-        others' dtype (HF's _keep_in_fp32_modules_strict; config.router_logits_fp32)."""
+        (param_checks.structure_version), or a submodule is set with add_module /
+        register_module (the ids of every module's children); under torch.compile walked
+        afresh (traced once, guarded by dynamo). A DeepSeek-V3 router may keep its weight in
+        fp32 whatever the others' dtype (HF's _keep_in_fp32_modules_strict;
+        config.router_logits_fp32)."""
         compiling = torch.compiler.is_compiling()
-        seen, tree = self.__dict__.get("_tree_cache", (-1, None))
-        if compiling or seen != structure_version[0]:
+        seen, tree = self.__dict__.get("_tree_cache", (None, None))
+        if compiling or tree is None or seen != (structure_version[0],
+                                                 _children_ids(self, tree[0])):
             c, e = self.config, self.topology.num_local_experts
             sized = {"router.weight": (c.num_experts, c.hidden_size),
                      "experts.gate_up_proj": (e, 2 * c.moe_intermediate_size, c.hidden_size),
@@ -343,7 +358,8 @@ class MoELayer(nn.Module):
                                       name == "router.weight" and c.router_logits_fp32))
             tree = (subs, tuple(slots))
             if not compiling:
-                self.__dict__["_tree_cache"] = (structure_version[0], tree)
+                self.__dict__["_tree_cache"] = ((structure_version[0], _children_ids(self, subs)),
+                                                tree)
         return tree
 
     def __setattr__(self, name, value):

@@ -85,6 +85,23 @@ class Router(CheckedModule):
             self._buffers["e_score_correction_bias"] = bias.to(device=new.device, dtype=torch.float32)
         return out
 
+    def resolved_backend(self, device, logits_dtype: torch.dtype) -> str:
+        """The epilogue's backend on `device` for logits of `logits_dtype` (kernels.
+        resolve_backend): "auto" takes the reference where the CuTeDSL router refuses this
+        configuration (cute_ops.route_unsupported, e.g. more than 1024 experts)."""
+        c = self.config
+
+        def unsupported():
+            from .kernels import cute_ops
+            return cute_ops.route_unsupported(c.num_experts, c.top_k, logits_dtype,
+                                              scoring=c.scoring, n_group=c.n_group,
+                                              topk_group=c.topk_group)
+        return resolve_backend(self.backend, device, unsupported)
+
+    def logits_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of `logits` for input of `x_dtype`."""
+        return torch.float32 if self.config.router_logits_fp32 else x_dtype
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype (fp32
         accumulation). Decode-sized x with a small router on CUDA takes the CuTeDSL GEMV
@@ -108,7 +125,7 @@ class Router(CheckedModule):
                 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
                 and not torch.compiler.is_compiling()
-                and resolve_backend(self.backend, x.device) == "cute")
+                and self.resolved_backend(x.device, x.dtype) == "cute")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]).
@@ -127,7 +144,7 @@ class Router(CheckedModule):
         if x.device != w.device:
             raise ValueError(f"router input is on {x.device}, the router weight on {w.device}")
         c = self.config
-        ops = get_ops(resolve_backend(self.backend, x.device))
+        ops = get_ops(self.resolved_backend(x.device, self.logits_dtype(x.dtype)))
         logits = self.logits(x)
         if self.kept_logits is not None:  # (swap_moe_layers' router-logits recording)
             self.kept_logits.append(logits)

@@ -62,7 +62,7 @@ def test_a_token_bound_stops_the_walk(compiled, max_tokens, expected):
 @pytest.mark.parametrize("args, exc, msg", [
     ((torch.int32, 2048, 128, 8, None), TypeError, "dtype must be one of"),
     ((torch.bfloat16, 2047, 128, 8, None), ValueError, "positive multiple of 16 bytes"),
-    ((torch.bfloat16, 2048, 128, 8, -1), ValueError, "max_tokens >= 0"),
+    ((torch.bfloat16, 2048, 128, 8, -1), ValueError, "max_tokens must be >= 0"),
     ((torch.bfloat16, 2048, 128, 33, None), ValueError, "top_k must be in"),
     ((torch.bfloat16, 2048, 0, 8, None), ValueError, "num_local_experts must be in"),
 ])

@@ -120,6 +120,8 @@ def test_experts_share_storage_and_check_shapes():
     assert ex.gate_up_proj.data_ptr() == gu.data_ptr()
     with pytest.raises(ValueError, match="gate_up_proj"):
         Experts(3, 4, 5, gate_up_proj=gu, down_proj=dn)
+    with pytest.raises(ValueError, match="backend must be one of"):  # (not only once on CUDA)
+        Experts(3, 4, 4, gate_up_proj=gu, down_proj=dn, backend="cuda")
 
 
 # --- routing reference against an independent float64 computation --------------------------------
@@ -318,6 +320,51 @@ def test_combine_rejects_another_dtype():
     res = topo.dispatch(x, torch.tensor([[0, 1]] * 3, dtype=torch.int32), torch.rand(3, 2))
     with pytest.raises(TypeError, match="expert_x's dtype"):
         topo.combine(res.expert_x.bfloat16(), res)
+
+
+def test_reference_combine_of_no_expert_rows_is_zero():
+    """Every pick -1 and no expert rows (a rank whose experts got nothing): zeros, as the cute
+    combine returns."""
+    y = R.combine(torch.zeros(0, 8), torch.full((3, 2), -1, dtype=torch.int32), torch.ones(3, 2))
+    torch.testing.assert_close(y, torch.zeros(3, 8), rtol=0, atol=0)
+
+
+def test_auto_takes_the_reference_where_the_cute_kernels_refuse_the_shapes(monkeypatch, caplog):
+    """backend "auto" on CUDA: the cute kernels only for shapes they take (no GPU needed: the
+    resolution is host logic); an explicit "cute" is left to the kernels' own errors."""
+    from moe_runtime import kernels
+    from moe_runtime.routing import Router
+    monkeypatch.setattr(kernels, "cute_available", lambda: True)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    local = LocalTopology(8)
+    assert local.resolved_backend(cuda, 16, bf16, 2) == "cute"
+    assert local.resolved_backend(cuda, 12, torch.float32, 2) == "cute"  # 48-byte rows
+    for hidden, dtype, top_k in ((12, bf16, 2), (16, torch.float64, 2), (16, bf16, 33)):
+        assert local.resolved_backend(cuda, hidden, dtype, top_k) == "reference"
+    assert LocalTopology(2048).resolved_backend(cuda, 16, bf16, 2) == "reference"
+    assert LocalTopology(8, backend="cute").resolved_backend(cuda, 12, bf16, 2) == "cute"
+    assert "the CuTeDSL kernels do not take this layer" in caplog.text
+
+    def router(**kw):
+        cfg = dict(hidden_size=16, num_experts=64, top_k=4, moe_intermediate_size=8)
+        return Router(MoEConfig(**{**cfg, **kw}), device="meta")
+    assert router().resolved_backend(cuda, bf16) == "cute"
+    assert router().resolved_backend(cuda, torch.float64) == "reference"
+    assert router(num_experts=2048).resolved_backend(cuda, bf16) == "reference"
+    layer = MoELayer(MoEConfig(hidden_size=12, num_experts=4, top_k=2, moe_intermediate_size=8),
+                     device="meta")
+    assert not layer.host_sync_free(cuda)  # (so CUDA graphs are refused, not a failed capture)
+
+
+def test_cute_route_refuses_kept_groups_with_fewer_than_k_experts():
+    """Group-limited routing must keep at least k experts (the kernel would repeat an id)."""
+    from moe_runtime.kernels import cute_ops
+    ok = dict(scoring="sigmoid", n_group=4, topk_group=2)
+    assert cute_ops.route_unsupported(16, 8, torch.float32, **ok) is None
+    assert "fewer than top_k=8" in cute_ops.route_unsupported(16, 8, torch.float32,
+                                                              **{**ok, "topk_group": 1})
+    assert cute_ops.route_unsupported(16, 8, torch.float32, scoring="softmax", n_group=4,
+                                      topk_group=1) is None  # (groups: sigmoid routers only)
 
 
 def test_torch_compile_fp32_on_cpu():

@@ -216,6 +216,13 @@ def test_hook_on_a_replaced_submodule_is_seen():
         assert layer._inner_hooks()
         close(layer(x), eager(layer, x))
         assert seen[2:] == [2, 2] and len(log) == n  # eager: no capture, no replay
+        # add_module / register_module bypass __setattr__: seen by the children's ids
+        up = torch.nn.Linear(32, layer.config.shared_expert_intermediate_size, bias=False)
+        up.register_forward_pre_hook(lambda m, args: seen.append(3))
+        layer.shared_expert.add_module("up_proj", up)
+        assert layer._inner_hooks() and up in layer._tree()[0]
+        close(layer(x), eager(layer, x))
+        assert seen[-3:] == [3, 2, 3]
 
 
 # --- invalidation ----------------------------------------------------------------------------------
@@ -245,6 +252,22 @@ def test_weight_swap_recaptures():
         assert g.captured == ()
         layer(x)
         assert log == [4, 4, 4, 4]
+
+
+def test_a_deep_copy_starts_uncaptured_and_follows_its_own_weights():
+    """copy.deepcopy of a layer with graphs: the copy's graphs check the copy's weights (a
+    weight replaced on the copy recaptures) and start with none captured."""
+    import copy
+    layer = make_layer()
+    layer.enable_cuda_graphs(capture_fn=address_bound_capture(layer, []))
+    with torch.no_grad():
+        layer(torch.randn(3, 32))
+    dup = copy.deepcopy(layer)
+    g = dup.cuda_graphs
+    assert g.captured == () and layer.cuda_graphs.captured == (4,)
+    assert g.fn.__self__ is dup and g.fingerprint() == storage_fingerprint(dup)
+    dup.router.weight = torch.nn.Parameter(torch.randn_like(dup.router.weight))
+    assert g.fingerprint() != layer.cuda_graphs.fingerprint()
 
 
 def test_to_dtype_invalidates():

@@ -10,6 +10,7 @@ import contextvars
 import functools
 import importlib.util
 import logging
+from typing import Callable
 
 import torch
 
@@ -54,10 +55,18 @@ def check_backend_name(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Pick the kernel backend: "reference", "cute", or "auto" (cute on CUDA when importable).
+def resolve_backend(backend: str, device: torch.device,
+                    unsupported: Callable[[], str | None] | None = None) -> str:
+    """Pick the kernel backend: "reference", "cute", or "auto" (cute on CUDA when importable and
+    the CuTeDSL kernels take the call's shapes).
 
     Inside `differentiable_kernels()` the answer is always "reference" ("cute" raises).
+
+    Args:
+        unsupported: for "auto", asked only where cute would be picked: why the CuTeDSL kernels
+            refuse this call's shapes (cute_ops.route_unsupported / rows_unsupported), or None.
+            A reason makes "auto" pick "reference" (logged once); an explicit "cute" is left to
+            the kernel's own ValueError.
 
     Raises:
         ValueError: unknown backend name, "cute" on a non-CUDA device / without CuTeDSL, or
@@ -74,7 +83,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "reference"
     if backend == "auto":
         if device.type == "cuda" and cute_available():
-            return "cute"
+            reason = unsupported() if unsupported is not None else None
+            if reason is None:
+                return "cute"
+            _log_once(f"moe_runtime: the CuTeDSL kernels do not take this layer ({reason}); "
+                      "using the torch reference kernels for it")
+            return "reference"
         if device.type == "cuda":
             _log_once("moe_runtime: nvidia-cutlass-dsl is not importable; using the torch "
                       "reference kernels on CUDA (pip install 'moe_runtime[gpu]')")

@@ -47,7 +47,7 @@ from .reference import dispatch_capacity
 
 __all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode", "linear_gemv",
            "select_dispatch_mode", "select_combine_mode", "check_errors", "expert_gemv",
-           "compile_kernels"]
+           "compile_kernels", "route_unsupported", "rows_unsupported"]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -94,6 +94,7 @@ def dispatch_decode_grid(items: int, num_local_experts: int, sms: int) -> int:
 
 MAX_TOP_K = 32
 MAX_EXPERTS = 1024
+MAX_GRID_Y = 65535  # CUDA's gridDim.y limit (the GEMVs' grid rows)
 _INT32_ELEMS = 2**31
 
 
@@ -122,12 +123,41 @@ def _check(name: str, t, dtypes, ndim: int, device=None) -> None:
                          f"{t.data_ptr():#x} (offset {t.data_ptr() % 16})")
 
 
+def _hidden_problem(hidden: int, dtype: torch.dtype) -> str | None:
+    if hidden == 0 or (hidden * dtype.itemsize) % 16:
+        return (f"hidden size {hidden} x {dtype.itemsize} bytes must be a positive multiple of 16 "
+                f"bytes (hidden % {16 // dtype.itemsize} == 0 for {dtype}); the kernels move rows "
+                "as 16-byte vectors")
+    return None
+
+
+def _top_k_problem(k: int) -> str | None:
+    return None if 1 <= k <= MAX_TOP_K else f"top_k must be in [1, {MAX_TOP_K}], got {k}"
+
+
+def _num_local_experts_problem(n: int) -> str | None:
+    return (None if 1 <= n <= MAX_EXPERTS
+            else f"num_local_experts must be in [1, {MAX_EXPERTS}], got {n}")
+
+
+def _route_problem(E: int, top_k: int, sigmoid: bool, n_group: int, topk_group: int) -> str | None:
+    if not 1 <= E <= MAX_EXPERTS or top_k > E:
+        return f"need 1 <= E <= {MAX_EXPERTS} and top_k <= E, got E={E}, top_k={top_k}"
+    if not sigmoid:
+        return None
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
+        return (f"need E % n_group == 0 and 1 <= topk_group <= n_group, got E={E}, "
+                f"n_group={n_group}, topk_group={topk_group}")
+    if topk_group * (E // n_group) < top_k:
+        return (f"the topk_group={topk_group} kept groups of {E // n_group} experts hold fewer "
+                f"than top_k={top_k} experts")
+    return None
+
+
 def _check_hidden(name: str, t: torch.Tensor) -> None:
-    h = t.shape[1]
-    if h == 0 or (h * t.element_size()) % 16:
-        raise ValueError(f"{name} hidden size {h} x {t.element_size()} bytes must be a positive "
-                         f"multiple of 16 bytes (hidden % {16 // t.element_size()} == 0 for "
-                         f"{t.dtype}); the kernels move rows as 16-byte vectors")
+    problem = _hidden_problem(t.shape[1], t.dtype)
+    if problem:
+        raise ValueError(f"{name} {problem}")
 
 
 def _check_rows_fit(name: str, rows: int, hidden: int) -> None:
@@ -137,13 +167,36 @@ def _check_rows_fit(name: str, rows: int, hidden: int) -> None:
 
 
 def _check_top_k(k: int) -> None:
-    if not 1 <= k <= MAX_TOP_K:
-        raise ValueError(f"top_k must be in [1, {MAX_TOP_K}], got {k}")
+    problem = _top_k_problem(k)
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_num_local_experts(n: int) -> None:
-    if not 1 <= n <= MAX_EXPERTS:
-        raise ValueError(f"num_local_experts must be in [1, {MAX_EXPERTS}], got {n}")
+    problem = _num_local_experts_problem(n)
+    if problem:
+        raise ValueError(problem)
+
+
+def route_unsupported(num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
+                      n_group: int = 1, topk_group: int = 1) -> str | None:
+    """Why `route` refuses logits of `dtype` over `num_experts` experts with these settings
+    (one line), or None when it takes them. Backend "auto" takes the torch reference then."""
+    if dtype not in _DTYPE_NAMES:
+        return f"logits dtype {dtype} (the kernels take {', '.join(map(str, _DTYPE_NAMES))})"
+    return _top_k_problem(top_k) or _route_problem(num_experts, top_k, scoring == "sigmoid",
+                                                   n_group, topk_group)
+
+
+def rows_unsupported(hidden: int, dtype: torch.dtype, num_local_experts: int,
+                     top_k: int) -> str | None:
+    """Why `dispatch` / `combine` refuse rows of `hidden` elements of `dtype` for
+    `num_local_experts` experts and `top_k` picks per token (one line), or None when they take
+    them (the per-call int32 size limit aside). Backend "auto" takes the torch reference then."""
+    if dtype not in _DTYPE_NAMES:
+        return f"rows of dtype {dtype} (the kernels take {', '.join(map(str, _DTYPE_NAMES))})"
+    return (_hidden_problem(hidden, dtype) or _top_k_problem(top_k)
+            or _num_local_experts_problem(num_local_experts))
 
 
 # ---------------------------------------------------------------------------------- route
@@ -183,16 +236,14 @@ def route(
     _check("logits", logits, tuple(_DTYPE_NAMES), 2)
     T, E = logits.shape
     _check_top_k(top_k)
-    if not 1 <= E <= MAX_EXPERTS or top_k > E:
-        raise ValueError(f"need 1 <= E <= {MAX_EXPERTS} and top_k <= E, got E={E}, top_k={top_k}")
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     sigmoid = scoring == "sigmoid"
     if not sigmoid:
         n_group = topk_group = 1
-    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"need E % n_group == 0 and 1 <= topk_group <= n_group, got E={E}, "
-                         f"n_group={n_group}, topk_group={topk_group}")
+    problem = _route_problem(E, top_k, sigmoid, n_group, topk_group)
+    if problem:
+        raise ValueError(problem)
     has_bias = sigmoid and correction_bias is not None
     dev = logits.device
     if has_bias:
@@ -432,11 +483,9 @@ def compile_kernels(dtype: torch.dtype, hidden: int, num_local_experts: int, top
     """
     if dtype not in _DTYPE_NAMES:
         raise TypeError(f"dtype must be one of {[str(d) for d in _DTYPE_NAMES]}, got {dtype}")
-    if hidden < 1 or (hidden * dtype.itemsize) % 16 or (max_tokens or 0) < 0:
-        raise ValueError(f"need hidden * element_size a positive multiple of 16 bytes and "
-                         f"max_tokens >= 0, got hidden={hidden}, max_tokens={max_tokens}")
-    _check_top_k(top_k)
-    _check_num_local_experts(num_local_experts)
+    problem = rows_unsupported(hidden, dtype, num_local_experts, top_k)
+    if problem or (max_tokens or 0) < 0:
+        raise ValueError(problem or f"max_tokens must be >= 0, got {max_tokens}")
     name, compiled = _DTYPE_NAMES[dtype], set()
     tokens = itertools.count(1) if max_tokens is None else range(1, max_tokens + 1)
     for T in tokens:  # (the modes move from decode to prefill once, as T grows)
@@ -470,7 +519,8 @@ def expert_gemv(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Ten
     `moe_runtime.experts.Experts` switches to the grouped GEMM above GEMV_MAX_ROWS rows.
 
     Raises:
-        TypeError / ValueError: dtypes, shapes, devices, contiguity, 16-byte alignment of rows.
+        TypeError / ValueError: dtypes, shapes, devices, contiguity, 16-byte alignment of rows,
+            more than MAX_GRID_Y rows.
     """
     _check("x", x, tuple(_DTYPE_NAMES), 2)
     _check("expert_offsets", expert_offsets, (torch.int32,), 1, x.device)
@@ -485,6 +535,9 @@ def expert_gemv(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Ten
     _check_hidden("x", x)
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"experts must be in [1, {MAX_EXPERTS}], got {E}")
+    if x.shape[0] > MAX_GRID_Y:
+        raise ValueError(f"the GEMV launches one block row per row of x (grid.y <= {MAX_GRID_Y}), "
+                         f"got {x.shape[0]} rows; use a grouped GEMM for this many")
     out_cols = M // 2 if swiglu else M
     _check_rows_fit("out", x.shape[0], out_cols)
     raise_pending()

@@ -165,6 +165,8 @@ def combine(expert_y: torch.Tensor, token_slot: torch.Tensor, topk_weights: torc
     """
     T, k = token_slot.shape
     y = torch.zeros(T, expert_y.shape[1], dtype=torch.float32, device=expert_y.device)
+    if T and expert_y.shape[0] == 0:  # every pick is -1: nothing to gather (adding the zero
+        return (y + expert_y.float().sum(0)).to(expert_y.dtype)  # sum keeps autograd's graph)
     for j in range(k):
         s = token_slot[:, j].long()
         valid = s >= 0

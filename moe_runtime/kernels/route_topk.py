@@ -10,12 +10,14 @@ Semantics are those of moe_runtime.kernels.reference.route (HF transformers' rou
       the other experts' choice becomes -inf (transformers 5.x DeepseekV3MoE.route_tokens_to_experts).
   ids = the K largest choices in descending order, ties to the smaller expert id;
   weights = scores at ids, / their sum (sigmoid: sum + 1e-20) if NORM, * routed_scaling_factor;
-  a NaN choice counts as the lowest finite fp32 (above the -inf of masked groups and of
-  the experts already taken, so a row of NaN still yields K distinct ids), and a token with
-  a NaN logit gets K NaN weights.
+  a NaN choice counts as the lowest finite fp32 (above the -inf of masked groups), and a
+  token with a NaN logit gets K NaN weights. The K ids are distinct even where fewer than K
+  choices are finite (a -inf correction bias): -inf choices are taken in id order after the
+  finite ones, as the reference's stable sort takes them.
 One warp per token (grid-stride over tokens): lane l holds experts [l * PER_LANE, +PER_LANE),
 each of the K rounds is a lane-local arg-max then a 5-step butterfly arg-max on
-(choice, id, score) with ties to the smaller id; the winner's owner knocks it out with -inf.
+(choice, id, score) with ties to the smaller id; the winner's owner knocks it out (NaN: no
+longer a candidate, unlike a -inf choice).
 Counts (COUNTS only): a shared-memory histogram per block, one global atomic per (block,
 expert), and the last block (sync/grid_barrier.last_block_arrive) copies the totals to `counts`
 and clears them. Without COUNTS the kernel has no atomics and no cross-block step (MoELayer's
@@ -92,6 +94,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
     warp = cute.arch.warp_idx()
     neg_inf = -Float32.inf
     lowest = Float32(-FP32_MAX)  # a NaN's place in the choice
+    nan = Float32(math.nan)
     # the next launch (decode dispatch or prefill slots, programmatic dependent launches) may
     # start now: it waits for this grid before any global access
     cute.arch.griddepcontrol_launch_dependents()
@@ -180,23 +183,28 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
                     keep = keep | (in_g & (better < TOPK_GROUP))
                 if e < E:
                     choice[q] = choice[q] if keep else neg_inf
-        # ---- K rounds of arg-max
+        # ---- K rounds of arg-max over the experts not taken yet (NaN marks a taken expert or
+        # a padding slot; -inf ones stay available, as in the reference's sort)
+        for q in cutlass.range_constexpr(PER_LANE):
+            if lane * PER_LANE + q >= E:
+                choice[q] = nan
         my_id = Int32(0)
         my_s = Float32(0.0)
         total = Float32(0.0)
         for j in cutlass.range_constexpr(K):
-            bc = choice[0]
-            bi = lane * PER_LANE
-            bs = score[0]
-            for q in cutlass.range_constexpr(1, PER_LANE):
-                better = choice[q] > bc
-                bc = choice[q] if better else bc
+            bc = neg_inf
+            bi = Int32(E)  # (no expert: loses every tie below)
+            bs = Float32(0.0)
+            for q in cutlass.range_constexpr(PER_LANE):
+                c = choice[q]
+                better = (c == c) & ((c > bc) | ((c == bc) & (bi == E)))
+                bc = c if better else bc
                 bi = lane * PER_LANE + q if better else bi
                 bs = score[q] if better else bs
             bc, bi, bs = _warp_argmax(bc, bi, bs)
             for q in cutlass.range_constexpr(PER_LANE):
                 if bi == lane * PER_LANE + q:
-                    choice[q] = neg_inf
+                    choice[q] = nan
             total = total + bs
             if lane == j:
                 my_id = bi
@@ -209,7 +217,7 @@ def route_topk_kernel(mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tenso
                 else:
                     w = my_s / total
             mIds[t, lane] = my_id
-            mW[t, lane] = w * scale if nan_row == Float32(0.0) else Float32(math.nan)
+            mW[t, lane] = w * scale if nan_row == Float32(0.0) else nan
             if cutlass.const_expr(COUNTS):
                 cute.arch.atomic_add(s_cnt.iterator + my_id, Int32(1))
 

@@ -23,8 +23,18 @@ class LocalTopology(Topology):
         check_backend_name(backend)
         self.backend = backend
 
+    def resolved_backend(self, device, hidden: int, dtype: torch.dtype, top_k: int) -> str:
+        """The kernels' backend on `device` for rows of `hidden` elements of `dtype` and `top_k`
+        picks per token (kernels.resolve_backend): "auto" takes the reference where the
+        CuTeDSL dispatch / combine refuse these shapes (cute_ops.rows_unsupported, e.g. a
+        row that is not a multiple of 16 bytes)."""
+        def unsupported():
+            from ..kernels import cute_ops
+            return cute_ops.rows_unsupported(hidden, dtype, self.num_local_experts, top_k)
+        return resolve_backend(self.backend, device, unsupported)
+
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
-        ops = get_ops(resolve_backend(self.backend, x.device))
+        ops = get_ops(self.resolved_backend(x.device, x.shape[1], x.dtype, topk_ids.shape[1]))
         expert_x, offsets, slot = ops.dispatch(
             x, topk_ids, expert_start=self.expert_start,
             num_local_experts=self.num_local_experts, align=self.align)
@@ -38,7 +48,7 @@ class LocalTopology(Topology):
     def compile_kernels(self, hidden: int, dtype: torch.dtype, top_k: int,
                         max_tokens: int | None, device) -> int:
         device = torch.device(device)
-        if resolve_backend(self.backend, device) != "cute":
+        if self.resolved_backend(device, hidden, dtype, top_k) != "cute":
             return 0
         from ..kernels import cute_ops
         sms = torch.cuda.get_device_properties(device).multi_processor_count

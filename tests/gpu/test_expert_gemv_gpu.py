@@ -84,6 +84,9 @@ def test_gemv_rejects_bad_input():
         ops.expert_gemv(x, off, w[:, :127].contiguous(), swiglu=True)
     with pytest.raises(ValueError, match="contiguous"):
         ops.expert_gemv(x.t().contiguous().t(), off, w, swiglu=True)
+    many = torch.zeros(ops.MAX_GRID_Y + 1, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grid.y"):
+        ops.expert_gemv(many, _offsets([ops.MAX_GRID_Y + 1, 0]), w, swiglu=True)
 
 
 @pytest.mark.parametrize("rows", [1, 8, GEMV_MAX_ROWS])

@@ -509,6 +509,23 @@ def test_route_nan_logits_match_reference(ops, cfg):
     assert torch.isnan(w).all()
 
 
+@pytest.mark.parametrize("cfg", ROUTERS[3:], ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_route_with_fewer_finite_choices_than_k_matches_reference(ops, cfg):
+    """A -inf correction bias on all but a few experts (experts switched off): the finite
+    choices first, then -inf ones in id order, k distinct ids, as the reference."""
+    cfg = dict(cfg)
+    E, k = cfg.pop("E"), cfg.pop("k")
+    cfg.pop("bias")
+    bias = torch.full((E,), float("-inf"), device=DEV)
+    bias[torch.randperm(E, device=DEV)[: max(k // 2, 1)]] = 0.0
+    logits = torch.randn(300, E, device=DEV)
+    ids, w, counts = ops.route(logits, k, correction_bias=bias, **cfg)
+    rids, rw, rcounts = reference.route(logits, k, correction_bias=bias, **cfg)
+    assert torch.equal(ids, rids) and torch.equal(counts, rcounts)
+    assert all(len(set(row)) == k for row in ids.tolist())
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
 def test_route_ties_go_to_the_smaller_id(ops):
     """Integer logits with many exact ties: order and membership follow the stable rule."""
     logits = torch.randint(-2, 3, (2048, 64), device=DEV).float()
