@@ -19,8 +19,14 @@ def test_spec_validation():
         pb.PeerSpec(**{**SPEC, "hidden": 4})
     with pytest.raises(TypeError):
         pb.PeerSpec(**SPEC, dtype=torch.float32)
+    for field, bad in (("hidden", 0), ("hidden", -8), ("max_tokens_per_rank", 2.5),
+                       ("num_experts", 0), ("top_k", True)):
+        with pytest.raises(ValueError, match=f"{field} must be ints >= 1"):
+            pb.PeerSpec(**{**SPEC, field: bad})
     s = pb.PeerSpec(**SPEC, align=8)
     assert s.stage_rows == 16 * 4 and s.xout_rows == 4 * 64 + 4 * 7
+    with pytest.raises(ValueError, match="transport must be"):  # (a typo fell back to ipc)
+        pb.PeerBuffers.from_process_group(s, transport="symm-mem")
 
 
 def test_layout_fields_disjoint_aligned_and_table_addresses():

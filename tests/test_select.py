@@ -170,15 +170,16 @@ def _gather_worker(rank, world):
     from moe_runtime.comm import new_group
     if rank == 1:
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    return ClusterInfo.gather(new_group(timeout_s=20))
+    on_default = ClusterInfo.gather()  # (None: the default group, as in torch.distributed)
+    return ClusterInfo.gather(new_group(timeout_s=20)), on_default
 
 
 def test_gather_live_cpu_ranks():
     local = ClusterInfo.gather()
     assert (local.world_size, local.gpu_arch, local.nvlink_p2p) == (1, None, ((True,),))
     assert select_topology(local, ParallelConfig()).name == "local"
-    a, b = run_distributed(_gather_worker, 2)
-    assert a == b
+    (a, a_default), (b, b_default) = run_distributed(_gather_worker, 2)
+    assert a == b == a_default == b_default
     assert (a.world_size, a.num_nodes, a.gpu_arch) == (2, 1, None)
     assert a.nvlink_p2p == ((True, False), (False, True))
     assert a.nvls_env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"

@@ -532,15 +532,17 @@ def w_setup_disagrees_or_fails(rank, world, backends, fail_rank):
 
 
 def test_ranks_asking_different_backends_raise_on_every_rank():
-    """One rank built with "cute", one with "auto": the backend asked for is part of the call
-    every rank must agree on, so both raise ValueError (before: KeyError on the auto rank while
-    the cute rank waited in the buffer exchange)."""
-    outs = run_distributed(w_setup_disagrees_or_fails, 2, ("cute", "auto"), -1, timeout_s=120,
-                           group_timeout_s=20)
-    for o in outs:
-        kind, msg = o[0]
-        assert kind == "ValueError" and "differs across ranks in backend: rank 0 cute, rank 1 " \
-                                       "auto" in msg, msg
+    """One rank built with "cute", one with "auto" (or "reference", which never joins the peer
+    buffer setup): the backend asked for is part of the first call's topology check, so both
+    raise ValueError before any other collective (before: KeyError on the auto rank while the
+    cute rank waited in the buffer exchange; a reference rank waited out the group timeout)."""
+    for backends in (("cute", "auto"), ("cute", "reference")):
+        outs = run_distributed(w_setup_disagrees_or_fails, 2, backends, -1, timeout_s=120,
+                               group_timeout_s=20)
+        for o in outs:
+            kind, msg = o[0]
+            assert kind == "ValueError" and "every rank must build the same topology" in msg, msg
+            assert f"[('tp', 8, 'cute', 'ipc'), ('tp', 8, '{backends[1]}', 'ipc')]" in msg, msg
 
 
 @pytest.mark.parametrize("backend", ["auto", "cute"])

@@ -186,10 +186,10 @@ def w_stall(rank, world, topo_name, use_call_timeout):
 
 
 def w_mismatched_topology(rank, world, topo_name, other):
-    """Rank 1 builds `other` = (topology, num_experts), rank 0 (topo_name, E): each returns
-    (exception type, message) of its first dispatch."""
-    name, experts = (topo_name, E) if rank == 0 else other
-    topo = make_topology(name, experts, backend="reference")
+    """Rank 1 builds `other` = (topology, num_experts, backend), rank 0 (topo_name, E,
+    "reference"): each returns (exception type, message) of its first dispatch."""
+    name, experts, backend = (topo_name, E, "reference") if rank == 0 else other
+    topo = make_topology(name, experts, backend=backend)
     x, ids = torch.randn(3, 8), torch.tensor([[0, 1], [2, 3], [1, 3]], dtype=torch.int32)
     try:
         topo.dispatch(x, ids, torch.rand(3, 2))
@@ -203,11 +203,15 @@ def test_ranks_with_another_topology_raise_on_every_rank(pools, topo_name):
     """Another num_experts (or topology) on one rank: its rows would have other sizes (gloo
     aborts the process) or, under tp, another split's partial sums would be added silently."""
     other = "dp_p2p" if topo_name == "tp" else "tp"
-    for peer, shown in (((topo_name, E // 2), f"('{topo_name}', {E // 2})"),
-                        ((other, E), f"('{other}', {E})")):
+    shown = lambda name, experts, backend: (  # noqa: E731 (peer-buffer topologies: transport)
+        f"('{name}', {experts}, '{backend}', '{'-' if name == 'dp_p2p' else 'auto'}')")
+    cases = [(topo_name, E // 2, "reference"), (other, E, "reference")]
+    if topo_name != "dp_p2p":  # (another backend: on a GPU the two would wait in different
+        cases.append((topo_name, E, "auto"))  # collectives until the group's timeout)
+    for peer in cases:
         for typ, msg in pools(2).run(w_mismatched_topology, topo_name, peer):
             assert typ == "ValueError" and "every rank must build the same topology" in msg, msg
-            assert f"[('{topo_name}', {E}), {shown}]" in msg, msg
+            assert f"[{shown(topo_name, E, 'reference')}, {shown(*peer)}]" in msg, msg
 
 
 def w_out_of_step(rank, world, topo_name, failure):
@@ -570,6 +574,84 @@ def test_an_error_after_the_dp_counts_exchange_marks_the_rank_out_of_step(pools)
 def test_abandoning_a_result_twice_is_a_no_op(pools, topo_name):
     r0, r1 = pools(2).run(w_abandon_twice, topo_name, timeout_s=60)
     assert r0 == ["ok", "CallAbandoned", "ok"] and r1 == ["ok", "RuntimeError", "ok"], (r0, r1)
+
+
+def w_retry_after_a_refused_combine(rank, world, topo_name, how):
+    """Rank 0's combine refuses its expert_y (`how`: "shape", or "tuple": an expert function
+    that returned (out, aux)), then rank 0 retries with the right tensor; rank 1 combines once.
+    Then both make one more call: per step, the exception type or "ok"."""
+    from moe_runtime.comm import new_group
+    topo = make_topology(topo_name, E, group=new_group(), backend="reference", timeout_s=3)
+    x = torch.ones(3, 8) if topo_name == "tp" else torch.randn(3, 8)
+    ids, w = torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32), torch.full((3, 2), 0.5)
+    res = topo.dispatch(x, ids, w)
+    bad = res.expert_x[:, :4] if how == "shape" else (res.expert_x, None)
+    out = []
+    for ey in ([bad, res.expert_x] if rank == 0 else [res.expert_x]):
+        try:
+            topo.combine(ey, res)
+            out.append("ok")
+        except Exception as e:
+            out.append(type(e).__name__ + (": abandoned" if "was abandoned" in str(e) else ""))
+    res, ref = topo.dispatch(x, ids, w), LocalTopology(E).dispatch(x, ids, w)
+    y = topo.combine(res.expert_x, res)
+    out.append("ok" if torch.equal(y, LocalTopology(E).combine(ref.expert_x, ref)) else "wrong")
+    return out
+
+
+@pytest.mark.parametrize("topo_name", ["tp", "dp_p2p"])
+@pytest.mark.parametrize("how, error", [("shape", "ValueError"), ("tuple", "TypeError")])
+def test_a_refused_combine_is_not_taken_again(pools, topo_name, how, error):
+    """A combine that refused its input has taken its part (the peers raised CallAbandoned):
+    a retry on that result must raise before any collective (it would pair with the peers'
+    next call: wrong sums, or gloo aborting on the sizes), and the next call works."""
+    r0, r1 = pools(2).run(w_retry_after_a_refused_combine, topo_name, how, timeout_s=60)
+    assert r0 == [error, "RuntimeError: abandoned", "ok"], r0
+    assert r1 == ["CallAbandoned", "ok"], r1
+
+
+def w_default_group_destroyed_and_initialized(rank, world):
+    """A dp_p2p topology used after destroy_process_group, and one built while no default group
+    exists (a world of one), used once a 2-rank group is initialized: their messages (or "ok");
+    then a topology built after the init: "ok" when it matches the local result."""
+    import torch.distributed as dist
+
+    from _dist import _free_port
+    from moe_runtime.comm import init_process_group
+    x, ids = torch.randn(3, 8), torch.tensor([[0, 7], [1, 6], [2, 5]], dtype=torch.int32)
+    w = torch.full((3, 2), 0.5)
+
+    def call(topo):
+        try:
+            res = topo.dispatch(x, ids, w)
+            return topo.combine(res.expert_x, res)
+        except RuntimeError as e:
+            return str(e)
+    topo = make_topology("dp_p2p", E, backend="reference", timeout_s=5)
+    assert isinstance(call(topo), torch.Tensor)
+    port = [_free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    out = [call(topo)]
+    early = make_topology("dp_p2p", E, backend="reference")
+    init_process_group(rank, world, backend="gloo", master_port=port[0], timeout_s=30)
+    out.append(call(early))
+    y = call(make_topology("dp_p2p", E, backend="reference", timeout_s=5))
+    ref = LocalTopology(E).dispatch(x, ids, w)
+    out.append("ok" if torch.equal(y, LocalTopology(E).combine(ref.expert_x, ref)) else y)
+    return out
+
+
+def test_a_topology_of_another_default_group_refuses_calls():
+    """After destroy_process_group a dp topology fell back to this rank's experts alone
+    (silently wrong sums); one built before init_process_group all-reduced one-rank headers
+    over two ranks (a nonsense out-of-step error that also refused the topologies built
+    after the init). Both now refuse with the reason; a topology built after init works."""
+    for destroyed, early, late in run_distributed(w_default_group_destroyed_and_initialized, 2,
+                                                  timeout_s=90):
+        assert "destroy_process_group" in destroyed, destroyed
+        assert "built before init_process_group" in early, early
+        assert late == "ok", late
 
 
 @pytest.mark.parametrize("topo_name", TOPOS)
@@ -971,9 +1053,10 @@ def test_timeout_s_validated(monkeypatch):
                 call()
     with pytest.raises(TypeError, match="timeout_s must be None or a number"):
         all_reduce_sum(t, timeout_s="1")
-    monkeypatch.setenv("MOE_RUNTIME_COMM_TIMEOUT_S", "0")
-    with pytest.raises(ValueError, match="got 0.0"):
-        init_process_group(0, 1, backend="gloo")
+    for bad, why in (("0", "got 0.0"), ("abc", "could not convert"), ("nan", "got nan")):
+        monkeypatch.setenv("MOE_RUNTIME_COMM_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match=f"MOE_RUNTIME_COMM_TIMEOUT_S='{bad}'.*{why}"):
+            init_process_group(0, 1, backend="gloo")
     assert not torch.distributed.is_initialized()
     assert all_reduce_sum(t, timeout_s=0.001) is t
 

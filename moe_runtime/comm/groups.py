@@ -43,9 +43,19 @@ class CollectiveError(RuntimeError):
 
 
 def default_timeout_s() -> float:
-    """The group timeout in seconds: $MOE_RUNTIME_COMM_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
+    """The group timeout in seconds: $MOE_RUNTIME_COMM_TIMEOUT_S, else DEFAULT_TIMEOUT_S.
+
+    Raises:
+        ValueError: the variable is set to something `check_timeout_s` refuses (named).
+    """
     v = os.environ.get("MOE_RUNTIME_COMM_TIMEOUT_S")
-    return float(v) if v else DEFAULT_TIMEOUT_S
+    if not v:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return check_timeout_s(float(v))
+    except ValueError as e:
+        raise ValueError(f"MOE_RUNTIME_COMM_TIMEOUT_S={v!r}: a number of seconds >= "
+                         f"{MIN_TIMEOUT_S} is needed ({e})") from None
 
 
 def default_backend(device: Optional[torch.device] = None) -> str:

@@ -255,8 +255,11 @@ class PeerSpec:
     all_to_all: bool = True
 
     def __post_init__(self):
-        if self.world_size < 1 or self.max_tokens_per_rank < 1 or self.top_k < 1 or self.align < 1:
-            raise ValueError(f"world_size, max_tokens_per_rank, top_k, align must be >= 1: {self}")
+        sizes = ("world_size", "max_tokens_per_rank", "hidden", "top_k", "num_experts", "align")
+        bad = [n for n in sizes if isinstance(getattr(self, n), bool)
+               or not isinstance(getattr(self, n), int) or getattr(self, n) < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} must be ints >= 1: {self}")
         if self.num_experts % self.world_size:
             raise ValueError(f"num_experts={self.num_experts} must be divisible by "
                              f"world_size={self.world_size}")
@@ -476,12 +479,14 @@ class PeerBuffers:
         gathers use it).
 
         Raises:
-            ValueError: group size != spec.world_size.
+            ValueError: group size != spec.world_size; an unknown transport.
             PeerSetupError: a step failed on some rank ("symm_mem", or "auto" once on ipc);
                 raised on every rank, naming the failing ranks and their errors.
             CollectiveError: a peer did not join a gather within the group timeout.
         """
         import torch.distributed as dist
+        if transport not in ("auto", "symm_mem", "ipc"):
+            raise ValueError(f"transport must be 'auto', 'symm_mem' or 'ipc', got {transport!r}")
         group = group if group is not None else dist.group.WORLD
         rank, W = dist.get_rank(group), dist.get_world_size(group)
         if W != spec.world_size:

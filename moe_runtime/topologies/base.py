@@ -120,9 +120,16 @@ class Topology(abc.ABC):
             ValueError: expert_y has fewer rows than dispatch produced, another hidden size or
                 another device. TypeError: another dtype than expert_x.
         """
+        if result.handle.get("abandoned"):
+            raise RuntimeError(
+                f"{self.name}: this dispatch result was abandoned ({result.handle['abandoned']}): "
+                "its combine was already taken without a result on this rank (the peers raised "
+                "CallAbandoned); dispatch again")
         self._before_combine()
         ex = result.expert_x
         try:
+            if not isinstance(expert_y, torch.Tensor):
+                raise TypeError(f"expert_y must be a torch.Tensor, got {type(expert_y).__name__}")
             if expert_y.dim() != 2 or expert_y.shape[0] < ex.shape[0] or expert_y.shape[1] != ex.shape[1]:
                 raise ValueError(f"expert_y must be [>= {ex.shape[0]}, {ex.shape[1]}] like "
                                  f"expert_x, got {tuple(expert_y.shape)}")

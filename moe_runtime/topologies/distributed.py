@@ -114,6 +114,7 @@ log = logging.getLogger("moe_runtime")
 TOPOLOGY_BACKENDS = ("reference", "cute", "auto")
 CUTE_TOPOLOGIES = ("tp", "dp_nvlink")      # the multi-rank topologies with a cute backend
 TRANSPORTS = ("auto", "symm_mem", "ipc")   # PeerBuffers.from_process_group(transport=...)
+_TRANSPORT_NAMES = ("-",) + TRANSPORTS  # (the topology check's codes; "-": no peer buffers)
 #: Peer buffer sizing default: tokens one rank passes in one call (tp: the replicated batch).
 DEFAULT_MAX_TOKENS_PER_RANK = 1024
 #: Device type of the tensors the cute backends take ("cpu" only in the CPU tests that run the
@@ -240,6 +241,7 @@ class GroupTopology(Topology):
         if self.world_size == 1 or result.handle.get("settled"):
             return
         result.handle["settled"] = True
+        result.handle["abandoned"] = f"{type(error).__name__}: {error}"
         if stream_capturing():  # (a capture failed: nothing was exchanged, nor can be now)
             self._mark_out_of_step(error)
             return
@@ -292,6 +294,12 @@ class GroupTopology(Topology):
         why = self.__dict__.get("_out_of_step")
         key = _group_key(self.group) if self.world_size > 1 else None
         built_on = self.__dict__.get("_id_group")
+        if not why and key is None and built_on is not None:
+            why = "torch.distributed was shut down (destroy_process_group) since it was built"
+        if (not why and self.world_size == 1 and self.group is None
+                and _group_key(None) is not None and dist.get_world_size() > 1):
+            why = (f"it was built before init_process_group, as a world of one rank; the default "
+                   f"group now has {dist.get_world_size()} ranks")
         if not why and key is not None and built_on is not None and built_on() is not key:
             why = ("it was built on a default process group that has been destroyed and "
                    "initialized again since")
@@ -383,20 +391,23 @@ class GroupTopology(Topology):
         return every
 
     def _check_same_topology(self, device: torch.device) -> None:
-        """Every rank's (topology, num_experts) through `_exchange_header`: ranks that split the
-        experts differently would exchange rows of the wrong sizes (which aborts gloo / NCCL) or
-        sum partial results of another split.
+        """Every rank's (topology, num_experts, backend, transport) through `_exchange_header`:
+        ranks that split the experts differently would exchange rows of the wrong sizes (which
+        aborts gloo / NCCL) or sum partial results of another split, and ranks of other backends
+        or transports would wait in different collectives until the group's timeout.
 
         Raises:
-            ValueError: on every rank, naming each rank's (topology, num_experts).
+            ValueError: on every rank, naming each rank's four values.
         """
-        code = _TOPOLOGY_CODES.get(self.name, len(_TOPOLOGY_CODES))
-        row = (HEADER_KINDS["topology"], code, self.num_experts) + (0,) * (HEADER_WIDTH - 3)
-        every = self._exchange_header(row, device, "topology check")
+        row = (HEADER_KINDS["topology"], _TOPOLOGY_CODES.get(self.name, len(_TOPOLOGY_CODES)),
+               self.num_experts, TOPOLOGY_BACKENDS.index(self.backend),
+               _TRANSPORT_NAMES.index(self.__dict__.get("transport", "-")))
+        every = self._exchange_header(row + (0,) * (HEADER_WIDTH - len(row)), device,
+                                      "topology check")
         if any(r != every[self.rank] for r in every):
             raise ValueError(f"{self.name} rank {self.rank}: every rank must build the same "
-                             "topology; (topology, num_experts) per rank: "
-                             f"{[(_topology_name(e[1]), e[2]) for e in every]}")
+                             "topology; (topology, num_experts, backend, transport) per rank: "
+                             f"{[_topology_values(e) for e in every]}")
 
 
 HEADER_KINDS = {"topology": 1, "combine": 2, "abandoned": 3}  # _send_header's first column
@@ -452,16 +463,24 @@ def _topology_name(code: int) -> str:
 
 
 def _header_text(row: Sequence[int]) -> str:
-    """A header row in words: [topology, code, num_experts, 0...] or [combine / abandoned, T,
-    H, top_k, dtype code, topology id, layer, dispatch number]."""
+    """A header row in words: [topology, code, num_experts, backend, transport, 0...] or
+    [combine / abandoned, T, H, top_k, dtype code, topology id, layer, dispatch number]."""
     kind, a, b, c, d = row[:SITE]
     if kind == HEADER_KINDS["topology"]:
-        return f"the first call's topology check ({_topology_name(a)}, {b} experts)"
+        return "the first call's topology check ({}, {} experts, backend {}, transport {})".format(
+            *_topology_values(row))
     if kind in (HEADER_KINDS["combine"], HEADER_KINDS["abandoned"]):
         what = "combine" if kind == HEADER_KINDS["combine"] else "abandoned combine"
         return (f"the {what} of {_site_text(*row[SITE:])} (T={a}, H={b}, k={c}, "
                 f"{_DTYPES[d] if 0 <= d < len(_DTYPES) else d})")
     return f"an unknown check {list(row)}"
+
+
+def _topology_values(row: Sequence[int]) -> tuple:
+    """(topology, num_experts, backend, transport) of a topology check's header row."""
+    pick = lambda names, i: names[i] if 0 <= i < len(names) else i  # noqa: E731
+    return (_topology_name(row[1]), row[2], pick(TOPOLOGY_BACKENDS, row[3]),
+            pick(_TRANSPORT_NAMES, row[4]))
 
 
 def _unpaired(row: Sequence[int], every: Sequence[Sequence[int]]) -> Optional[int]:

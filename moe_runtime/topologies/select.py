@@ -107,13 +107,16 @@ class ClusterInfo:
 
     @classmethod
     def gather(cls, group=None) -> "ClusterInfo":
-        """Facts of this process, or of every rank of `group` (a collective: all must call).
+        """Facts of every rank of `group` (a collective: all must call); None: the default
+        group when torch.distributed is initialized (as everywhere in torch.distributed), else
+        this process alone.
 
         Raises:
             CollectiveError: a rank did not join within the group timeout.
         """
         facts = [_local_facts()]
-        if group is not None:
+        if group is not None or (torch.distributed.is_available()
+                                 and torch.distributed.is_initialized()):
             from ..comm import all_gather_object
             facts = all_gather_object(facts[0], group=group, step="select.gather")
         return cls.from_facts(facts)
