@@ -10,7 +10,8 @@ dependency included: one line with the install command; a damaged checkpoint), 2
 argument value, checked before anything starts; for make-checkpoint also an OUT_DIR that is a
 file, not empty or not writable; for generate/demo also a --model that is not a directory, a
 prompt that is empty or too long for the model, a world size that does not divide the experts,
-or a topology that does not fit it: all checked before Ray starts), 130 interrupted.
+or a topology that does not fit it: all checked before Ray starts), 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM). `moe-runtime --version` prints the version.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_make_checkpoint(sub) -> None:
-    from .models.make_checkpoint import ARCH_NAMES, PRESETS
+    from .models.make_checkpoint import ARCH_NAMES, DTYPES, PRESETS
     p = sub.add_parser("make-checkpoint", help="write a random-weight HF checkpoint + tokenizer",
                        formatter_class=DefaultsHelp)
     p.add_argument("out_dir", help="directory to write (created; must be empty or absent)")
@@ -85,7 +86,7 @@ def _add_make_checkpoint(sub) -> None:
     p.add_argument("--preset", choices=PRESETS, default="tiny", help="model size")
     p.add_argument("--seed", type=_int_at_least(0, 2 ** 63 - 1), default=0,
                    help="seed of the random weights")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weight dtype (default: the preset's)")
     p.add_argument("--max-shard-size", type=_shard_size, default=None,
                    help='e.g. "200KB", "500MB", "2GB" or bytes: sharded safetensors + index')
@@ -161,7 +162,9 @@ def _add_demo(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     parser = argparse.ArgumentParser(prog="moe-runtime", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"moe-runtime {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_checkpoint(sub)
     _add_generate(sub)
@@ -289,9 +292,9 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
               + (f" (kernels compiled and warmed up in {warm:.1f}s)" if warm else ""), flush=True)
         print_result(engine.generate(prompts, params, max_batch_size=args.max_batch_size))
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted: shutting down the ranks", file=sys.stderr, flush=True)
-        return 130
+        return _interrupted_code(e)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the clean-up
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -304,8 +307,21 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_term is None else previous_term)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the running code is, handled as Ctrl-C (exit code 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def _terminate(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Terminated(signum)
+
+
+def _interrupted_code(e: KeyboardInterrupt) -> int:
+    """The shell's exit code for the signal that stopped us: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
 
 
 def _stop_ray() -> None:
@@ -338,13 +354,13 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
         if args.command == "generate":
             return run_generate(args.model, _read_prompts(args), args)
         from .models.make_checkpoint import cached_checkpoint
-        path = cached_checkpoint("qwen3-moe", "tiny")
+        path = cached_checkpoint("qwen3-moe", "tiny", progress=not args.no_progress)
         print(f"demo checkpoint: {path}", flush=True)
         return run_generate(path, list(DEMO_PROMPTS), args, damaged_hint=(  # (changed since made)
             f"the demo's cached checkpoint {path} may be damaged: delete that directory and "
             "the demo makes it again"))
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return _interrupted_code(e)
     except UsageError as e:
         print(f"moe-runtime: error: {e}", file=sys.stderr)
         return 2

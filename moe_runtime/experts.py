@@ -145,6 +145,11 @@ class Experts(CheckedModule):
         check_backend_name(backend)
         self.backend = backend
 
+    def extra_repr(self) -> str:
+        E, _, H = self.gate_up_proj.shape
+        return (f"num_local_experts={E}, hidden_size={H}, intermediate_size="
+                f"{self.intermediate_size}, backend={self.backend}")
+
     def reset_parameters(self) -> None:
         """Draw the weights afresh, as the constructor does: N(0, 1/H) for gate_up_proj, N(0, 1/I)
         for down_proj (e.g. after `to_empty` on a layer built on the meta device)."""

@@ -199,6 +199,9 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
             (not loaded yet), or no MoE block at all.
             Nothing is replaced when it raises. Errors of MoELayer / the topology pass through.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"swap_moe_layers takes a loaded torch.nn.Module (e.g. "
+                        f"AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__}")
     bad = sorted(set(kw) - set(_LAYER_KWARGS))
     if bad:
         raise TypeError(f"swap_moe_layers got unexpected keyword(s) {bad}; accepted: "

@@ -71,7 +71,11 @@ class MoELayer(nn.Module):
     would pick (logged once on CUDA); with backend "cute" it raises ValueError instead, and
     inside a CUDA-graph capture RuntimeError. Run inference under torch.inference_mode() or
     torch.no_grad() to get the CuTeDSL kernels. Under torch.compile the kernels are chosen as
-    in inference (the switch is eager-only: dynamo cannot trace it).
+    in inference (the switch is eager-only: dynamo cannot trace it). Compiled training with
+    fullgraph=True works in bf16 (torch._grouped_mm); fp32 / fp16 experts run a per-expert loop
+    of data-dependent row slices whose backward inductor cannot generate (torch 2.13: "expected
+    [u5, u6] to have been codegen-ed"): train those with fullgraph=False (a graph break per
+    layer) or another compile backend (e.g. "aot_eager").
 
     Attributes:
         module_aliases: {name: submodule path}, other names under which submodules are
@@ -192,6 +196,11 @@ class MoELayer(nn.Module):
         return n
 
     # -- CUDA graphs ----------------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        t = self.topology
+        return f"topology={t.name}" + (f", rank={t.rank}, world_size={t.world_size}"
+                                       if t.world_size > 1 else "")
+
     def host_sync_free(self, device=None) -> bool:
         """Whether forward on `device` (default: the router weight's) never waits for the host.
 

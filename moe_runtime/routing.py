@@ -56,6 +56,12 @@ class Router(CheckedModule):
             self.e_score_correction_bias = None
         self.reset_parameters()
 
+    def extra_repr(self) -> str:
+        c = self.config
+        groups = f", n_group={c.n_group}, topk_group={c.topk_group}" if c.n_group > 1 else ""
+        return (f"num_experts={c.num_experts}, hidden_size={c.hidden_size}, top_k={c.top_k}, "
+                f"scoring={c.scoring}{groups}, backend={self.backend}")
+
     def reset_parameters(self) -> None:
         """weight ~ N(0, 1/H), e_score_correction_bias = 0, as the constructor draws them (e.g.
         after `to_empty` on a layer built on the meta device)."""

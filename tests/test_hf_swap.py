@@ -236,6 +236,8 @@ def test_unsupported_block_raises_naming_supported():
         assert fam.block in str(e.value)
     with pytest.raises(ValueError, match="no MoE block found.*Qwen3MoeSparseMoeBlock"):
         swap_moe_layers(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="takes a loaded torch.nn.Module .* got str"):
+        swap_moe_layers("Qwen/Qwen3-30B-A3B")  # (a model id is not a model)
 
 
 def test_mixed_model_is_left_untouched_on_error():

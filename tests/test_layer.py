@@ -105,6 +105,24 @@ def test_config_rejects(bad, exc, msg):
         MoEConfig(**kw)
 
 
+def test_repr_shows_the_sizes():
+    layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8),
+                     device="meta")
+    text = repr(layer)
+    assert text.startswith("MoELayer(\n  topology=local\n"), text
+    assert "Router(num_experts=4, hidden_size=16, top_k=2, scoring=softmax, backend=auto)" in text
+    assert "Experts(num_local_experts=4, hidden_size=16, intermediate_size=8, backend=auto)" in text
+
+
+def test_config_takes_integer_types_as_ints():
+    """Sizes read from numpy arrays or 0-d tensors: stored as the Python ints they hold."""
+    import numpy as np
+    cfg = MoEConfig(hidden_size=np.int64(16), num_experts=torch.tensor(8), top_k=np.int32(2),
+                    moe_intermediate_size=8)
+    assert cfg == MoEConfig(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8)
+    assert type(cfg.hidden_size) is int and type(cfg.num_experts) is int
+
+
 def test_experts_grouped_equals_loop():
     torch.manual_seed(1)
     ex = Experts(5, 32, 16, dtype=torch.float32, use_grouped_mm=True)

@@ -25,6 +25,7 @@ Presets:
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import re
@@ -36,6 +37,7 @@ ARCH_NAMES = {"qwen3-moe": "qwen3_moe", "qwen2-moe": "qwen2_moe", "olmoe": "olmo
               "mixtral": "mixtral", "glm4-moe": "glm4_moe", "dots1": "dots1",
               "deepseek-v3": "deepseek_v3"}
 PRESETS = ("tiny", "small", "qwen3-30b-a3b")
+DTYPES = ("float32", "bfloat16", "float16")
 EOS_TOKEN = "<|endoftext|>"
 
 TRAINING_TEXT = """\
@@ -230,6 +232,20 @@ def train_tokenizer(vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
+@contextlib.contextmanager
+def _hf_progress_bars(on: bool):
+    """transformers' tqdm bars off inside (unless `on`), as they were after."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    if not on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not on:
+            hf_logging.enable_progress_bar()
+
+
 def check_arch_preset(arch: str, preset: str) -> None:
     """Raises ValueError unless `arch` is in ARCH_NAMES, `preset` in PRESETS and the two fit
     (qwen3-30b-a3b is a Qwen3-MoE model)."""
@@ -244,7 +260,7 @@ def check_arch_preset(arch: str, preset: str) -> None:
 def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny", *,
                     seed: int = 0, dtype: Optional[str] = None,
                     max_shard_size: Optional[Union[str, int]] = None,
-                    force: bool = False) -> str:
+                    force: bool = False, progress: bool = True) -> str:
     """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
 
     Args:
@@ -252,16 +268,18 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
             "deepseek-v3".
         preset: "tiny", "small" or "qwen3-30b-a3b" (Qwen3-MoE only).
         seed: torch seed of the random weights.
-        dtype: "float32" (default for tiny/small) or "bfloat16" (default for qwen3-30b-a3b).
+        dtype: one of DTYPES: "float32" (default for tiny/small), "bfloat16" (default for
+            qwen3-30b-a3b) or "float16".
         max_shard_size: e.g. "200KB" or a number of bytes (see parse_shard_size) to write sharded
             safetensors with an index.
         force: for qwen3-30b-a3b, write the (huge) weights too.
+        progress: show transformers' shard-writing bar.
 
     Returns:
         out_dir, whose directory and file modes follow the umask (typically 0755 / 0644).
 
     Raises:
-        ValueError: unknown arch/preset, a preset the arch lacks, a bad max_shard_size or seed,
+        ValueError: unknown arch/preset/dtype, a preset the arch lacks, a bad max_shard_size or seed,
             an empty out_dir, one that is a file or a non-empty directory, or one whose parent
             cannot be written.
     """
@@ -269,6 +287,8 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     import transformers
 
     check_arch_preset(arch, preset)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if max_shard_size is not None:
         max_shard_size = parse_shard_size(max_shard_size)
     try:
@@ -315,7 +335,8 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
             model = getattr(transformers, a.hf_class_name)(config).to(getattr(torch, dtype))
             _randomize_correction_biases(model)
             save_kw = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
-            model.save_pretrained(tmp, **save_kw)
+            with _hf_progress_bars(progress):
+                model.save_pretrained(tmp, **save_kw)
         tokenizer.save_pretrained(tmp)
         _apply_umask_modes(tmp)
         if os.path.isdir(out_dir):
@@ -338,11 +359,12 @@ def _randomize_correction_biases(model) -> None:
                 buf.copy_(torch.randn(buf.shape) * 0.5)
 
 
-def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: Optional[str] = None) -> str:
+def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: Optional[str] = None,
+                      progress: bool = True) -> str:
     """The checkpoint made once under cache_dir (default $MOE_RUNTIME_CACHE or
     ~/.cache/moe_runtime), as `<arch>-<preset>`; made on first use (atomically, so concurrent
-    callers are safe: the loser of the race keeps the winner's copy); written by make_checkpoint,
-    so its modes follow the umask too (an existing copy is used as it is)."""
+    callers are safe: the loser of the race keeps the winner's copy); written by make_checkpoint
+    (with `progress`), so its modes follow the umask too (an existing copy is used as it is)."""
     root = cache_dir or os.environ.get("MOE_RUNTIME_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "moe_runtime")
     path = os.path.join(root, f"{arch}-{preset}")
@@ -351,7 +373,7 @@ def cached_checkpoint(arch: str = "qwen3-moe", preset: str = "tiny", cache_dir: 
                          "to another path)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         try:
-            make_checkpoint(path, arch, preset)
+            make_checkpoint(path, arch, preset, progress=progress)
         except (ValueError, OSError):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 raise
