@@ -55,6 +55,14 @@ from . import _log_once
 # the dynamic persistent scheduler 455.5 + 245.4, and with cluster 1x1 432.0 + 252.1. None
 # gains. (The varlen scheduler walks expert by expert, and one expert's 2-3 M tiles by 8-16 N
 # tiles fit in one wave of 132 CTAs whatever the swizzle, which would explain it; not checked.)
+# What the padding costs (Qwen3-30B-A3B T = 4096, same 32768 rows, these tiles, four
+# interleaved rounds, best, bench_out diagnostic pad.py, 2026-12-01): random routing (319 M
+# tiles) 412.1 + 211.8 us; every expert 256 rows (256 tiles, no padding) 400.3 + 192.5; 257
+# rows each (384 tiles) 493.7 + 275.3. So a tail-tile scheme could gain at most ~30 us of the
+# 624. The ceilings of the same FLOPs (dense.py, same day): one weight for all rows (quack
+# dense, weights in L2) 298.9 + 158.2 us; cuBLAS bmm of the balanced [128, 256, H] problem
+# 329.4 + 188.2; torch._grouped_mm balanced 366.9 + 214.5. What separates quack's varlen GEMM
+# from the dense one is reading 128 experts' weights (805 + 403 MB) while computing.
 # quack's gather_A (A_idx: the gate/up GEMM reads x's rows through a slot -> token index, so
 # the dispatch would not copy rows) loads A with cp.async on sm_90 and needs cluster_n = 1; on
 # the H200 (graph replay, best of three interleaved rounds, same outputs bit for bit) it was
