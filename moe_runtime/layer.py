@@ -180,8 +180,9 @@ class MoELayer(nn.Module):
     def warm_up(self, max_tokens: Optional[int] = None) -> int:
         """Compile now what forward of 1..max_tokens tokens (None: any number) would compile on
         first use, on the router weight's device: the topology's dispatch and combine kernels
-        for every launch shape (Topology.compile_kernels: the local topology's cute kernels) and
-        the experts' grouped GEMM tiles (Experts.warm_up). A forward of one token and one of
+        for every launch shape (Topology.compile_kernels: the cute kernels of `local`, and of
+        `tp` once its backend is cute, the tp combine's all-reduces included) and the experts'
+        grouped GEMM tiles (Experts.warm_up). A forward of one token and one of
         more than cute_compile.ROUTE_DECODE_MAX_TOKENS tokens then compile the rest (the two
         routing launch shapes, the decode GEMV). With CUDA graphs enabled, a forward of T
         tokens runs at its bucket's size (BucketedGraphs.bucket_for), so the kernels are those

@@ -80,3 +80,31 @@ def test_topologies_without_such_kernels_compile_nothing(compiled):
     assert make_topology("tp", 8, backend="reference").compile_kernels(
         64, torch.bfloat16, 2, None, "cpu") == 0
     assert compiled == []
+
+
+@pytest.mark.parametrize("max_tokens, algos", [(None, ["oneshot", "twoshot"]),
+                                               (256, ["oneshot"]), (257, ["oneshot", "twoshot"])])
+def test_tp_on_cute_compiles_its_dispatch_and_combine_all_reduces(compiled, monkeypatch,
+                                                                   max_tokens, algos):
+    """tp settled on cute (E 8, H 2048 bf16): the local dispatch kernels of every token count
+    up to max_tokens (capped by max_tokens_per_rank, 1024) and the combine all-reduce of each
+    algorithm those counts pick (one-shot up to 1 MiB of partials: 256 tokens here)."""
+    import contextlib
+    import types
+
+    from moe_runtime.kernels import allreduce
+    asked = []
+    monkeypatch.setattr(allreduce, "compile_allreduce", lambda code, *a: asked.append(code))
+    monkeypatch.setenv("MOE_RUNTIME_SMS", "132")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    topo = make_topology("tp", 8, backend="reference")  # (a world of one here)
+    assert topo.compile_kernels(2048, torch.bfloat16, 8, max_tokens, "cuda") == 0
+    topo.backend = "cute"  # (as a first call settles "auto")
+    n = topo.compile_kernels(2048, torch.bfloat16, 8, max_tokens, "cuda")
+    assert sorted(asked) == sorted(allreduce.COMBINE | allreduce.ALGOS[a] for a in algos)
+    assert n == len(compiled) + len(algos)
+    # the local kernels are those of the capped token range (asked again: all cached)
+    assert cute_ops.compile_kernels(torch.bfloat16, 2048, 8, 8, min(max_tokens or 1024, 1024),
+                                    sms=132) == len(compiled)

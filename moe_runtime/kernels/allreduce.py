@@ -231,9 +231,28 @@ def _compiled(bufs, algo_code):
     """The compiled launch of algo_code for these buffers (compile before reserving epochs:
     a compile error then leaves the protocol state unchanged)."""
     s = bufs.spec
-    return compile_allreduce(algo_code, s.hidden, s.top_k, s.world_size,
-                             ctas_per_rank(bufs.n_local, True), bufs.n_local,
-                             str(s.dtype).removeprefix("torch."))
+    return _launch_fn(algo_code, s.hidden, s.top_k, s.world_size, bufs.n_local, s.dtype)
+
+
+def _launch_fn(algo_code: int, hidden: int, top_k: int, world: int, n_local: int,
+               dtype: torch.dtype, arch: str | None = None):
+    """compile_allreduce for `n_local` ranks of this process on the current device's SMs."""
+    return compile_allreduce(algo_code, hidden, top_k, world, ctas_per_rank(n_local, True),
+                             n_local, str(dtype).removeprefix("torch."), arch)
+
+
+def compile_tp_combines(hidden: int, top_k: int, world: int, n_local: int, dtype: torch.dtype,
+                        max_tokens: int, arch: str | None = None) -> int:
+    """Compile now the tp combine all-reduce (`tp_combine_all_reduce`, algo "auto") of every
+    algorithm that calls of 1..max_tokens tokens pick (`pick_algo`: one-shot up to
+    ONESHOT_MAX_BYTES, two-shot above), for `n_local` ranks of this process on the current
+    device (a serving warm-up: TPTopology.compile_kernels). Returns how many (0 for
+    max_tokens < 1)."""
+    names = {pick_algo("auto", T * hidden * dtype.itemsize) for T in {1, max_tokens}
+             if T >= 1}
+    for name in names:
+        _launch_fn(COMBINE | ALGOS[name], hidden, top_k, world, n_local, dtype, arch)
+    return len(names)
 
 
 def _launch(bufs, f, algo_code, T, out, args, sites, timeout_s, max_spins, check, skip_rank,

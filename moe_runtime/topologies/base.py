@@ -183,8 +183,10 @@ class Topology(abc.ABC):
                         max_tokens: int | None, device) -> int:
         """Compile now the kernels that calls of 1..max_tokens tokens (None: any number) of
         `hidden`-wide `dtype` rows with `top_k` picks on `device` would compile on first use
-        (a serving process's warm-up); returns how many. None here (0): LocalTopology on the
-        cute backend has some (kernels/cute_ops.compile_kernels)."""
+        (a serving process's warm-up); returns how many. None here (0): LocalTopology and
+        TPTopology on the cute backend have some (kernels/cute_ops.compile_kernels,
+        kernels/allreduce.compile_tp_combines; dp_nvlink's peer kernels all compile at its
+        first call, its mode being fixed by max_tokens_per_rank)."""
         return 0
 
     def max_tokens_per_call(self) -> float:

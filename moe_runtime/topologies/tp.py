@@ -62,6 +62,27 @@ class TPTopology(PeerBufferTopology):
     all_to_all = False  # the cute backend needs the all-reduce buffers only
     auto_fallback_over_limit = True  # every rank holds the same tokens: same path everywhere
 
+    def compile_kernels(self, hidden: int, dtype: torch.dtype, top_k: int,
+                        max_tokens: int | None, device) -> int:
+        """On the cute backend (asked for, or "auto" settled on it by a first call; an unsettled
+        "auto" compiles nothing, as that call decides): the local dispatch kernels of calls of
+        1..max_tokens tokens (at most max_tokens_per_rank; cute_ops.compile_kernels, whose
+        local combine kernels come along unused) and the combine all-reduce of each algorithm
+        they pick (allreduce.compile_tp_combines). Returns how many."""
+        device = torch.device(device)
+        if self.backend != "cute" or device.type != "cuda":
+            return 0
+        from ..kernels import cute_ops
+        from ..kernels.allreduce import compile_tp_combines
+        limit = min(self.max_tokens_per_rank, self.max_tokens_per_rank if max_tokens is None
+                    else max_tokens)
+        n_local = 1 if self.peer_buffers is None else self.peer_buffers.n_local
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        with torch.cuda.device(device):  # (the all-reduce's grid follows the current device)
+            return (cute_ops.compile_kernels(dtype, hidden, self.num_local_experts, top_k, limit,
+                                             sms=sms)
+                    + compile_tp_combines(hidden, top_k, self.world_size, n_local, dtype, limit))
+
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
         bufs = self._peer_buffers(x, topk_ids)
         ops = get_ops("reference" if bufs is None else "cute")
