@@ -168,12 +168,12 @@ def test_combine_needs_only_the_rows_the_dispatch_used(recorded):
     assert h.rows_used == used
     w = torch.rand(20, 4)
     eys = [torch.zeros(n, 256, dtype=torch.bfloat16) for n in used]
-    assert ep_combine(b, h, eys, w).shape == (20, 256)
     n = len(recorded)
-    eys[2] = eys[2][:11]
+    short = eys[:2] + [eys[2][:11]] + eys[3:]
     with pytest.raises(ValueError, match=r"expert_y\[2\] must be contiguous .*\[>= 12, 256\]"):
-        ep_combine(b, h, eys, w)
+        ep_combine(b, h, short, w)
     assert len(recorded) == n
+    assert ep_combine(b, h, eys, w).shape == (20, 256)
     assert ep_dispatch(b, x, ids, tokens, mode="prefill", check=False).rows_used is None
 
 
@@ -205,9 +205,14 @@ def test_host_paths_pass_the_compiled_signatures(recorded):
     assert tab[pb.F_ARG_EY].tolist() == [e.data_ptr() for e in h.expert_x]
     assert tab[pb.F_ARG_W].tolist() == [w.data_ptr() + s0 * 4 * 4 for s0 in starts]
     assert tab[pb.F_ARG_Y].tolist() == [y.data_ptr() + s0 * 256 * 2 for s0 in starts]
-    ep_dispatch(b, x, ids, tokens, mode="decode")
+    with pytest.raises(ValueError, match="combined already"):  # (its flags are set: no wait)
+        ep_combine(b, h, h.expert_x, w)
+    h2 = ep_dispatch(b, x, ids, tokens, mode="decode")
     with pytest.raises(ValueError, match="stale"):
         ep_combine(b, h, h.expert_x, w)
+    b.restart_epochs()  # (a dispatch's epoch flags are gone: its combine cannot wait on them)
+    with pytest.raises(ValueError, match="restarted their epochs"):
+        ep_combine(b, h2, h2.expert_x, w)
     n = len(recorded)
     with pytest.raises(ValueError, match="max_tokens_per_rank=16"):
         ep_dispatch(b, torch.zeros(20, 256, dtype=torch.bfloat16),

@@ -570,25 +570,42 @@ class PeerBuffers:
 
     def next_epoch(self) -> int:
         """Epoch of the next dispatch/combine pair: 1, 2, ..., EPOCH_LIMIT, then (after
-        restart_epochs) 1 again."""
+        restart_epochs) 1 again.
+
+        Raises:
+            RuntimeError: inside a CUDA graph capture (`refuse_capture`).
+        """
+        self.refuse_capture()
         if self.epoch + 1 > EPOCH_LIMIT:
             self.restart_epochs()
         self.epoch += 1
         return self.epoch
 
     def take_sig_epochs(self, n: int) -> int:
-        """Reserve n consecutive barrier epochs (all <= EPOCH_LIMIT); returns the first."""
+        """Reserve n consecutive barrier epochs (all <= EPOCH_LIMIT); returns the first.
+        RuntimeError inside a CUDA graph capture (`refuse_capture`)."""
+        self.refuse_capture()
         if self.sig_epoch + n > EPOCH_LIMIT:
             self.restart_epochs()
         self.sig_epoch += n
         return self.sig_epoch - n + 1
+
+    def refuse_capture(self) -> None:
+        """RuntimeError inside a CUDA graph capture: every call passes its barrier epoch as a
+        launch argument, so a replay would reuse it and pass every wait at once (flags already
+        at that epoch), reading rows before the peers wrote them."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the multi-rank cute kernels cannot be captured in a CUDA graph "
+                               "(each call's barrier epoch is a launch argument a replay would "
+                               "reuse): call them eagerly")
 
     def restart_epochs(self) -> None:
         """Both epoch counters back to 0 with EPOCH_FIELDS zeroed on every rank; data fields
         (e.g. all-reduce inputs already written) are kept. Every rank calls it at the same call
         (the counters advance identically everywhere). Host-synchronous, two bounded gathers:
         no rank zeroes before every rank's kernels are done, none writes a flag before every
-        owner zeroed."""
+        owner zeroed. A dispatch not combined yet cannot be combined after it (its epoch's
+        flags are gone: ep_combine refuses its handle as stale)."""
         self._quiesce("epoch restart (kernels done)")
         for r in range(self.n_local):
             for f in EPOCH_FIELDS:
@@ -596,6 +613,7 @@ class PeerBuffers:
         self._quiesce("epoch restart (zeroed)")
         self.epoch = 0
         self.sig_epoch = 0
+        self._last_dispatch = None
 
     def _quiesce(self, step: str) -> None:
         """Wait for this rank's device work, then for every rank to get here (bounded gather)."""
@@ -635,7 +653,11 @@ class PeerBuffers:
 
     def reset(self) -> None:
         """Zero every heap and restart epochs (host-synchronous; all ranks must reset together:
-        a bounded collective; buffers shared by several topologies need ONE reset per rank)."""
+        a bounded collective; buffers shared by several topologies need ONE reset per rank).
+        As restart_epochs: no rank zeroes before every rank's kernels are done (a late peer's
+        kernel would write flags into a zeroed heap, which the next calls would take as
+        fresh), none writes before every owner zeroed."""
+        self._quiesce("reset (kernels done)")
         for h in self.peer_heaps + self.local_heaps:
             h.zero_()
         self._quiesce("reset")  # no peer may write into a heap before its owner zeroed it

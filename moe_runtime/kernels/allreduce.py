@@ -293,7 +293,7 @@ def all_reduce(bufs: pb.PeerBuffers, x: torch.Tensor | None, T: int | None = Non
 
     Raises:
         ValueError: T > max_tokens_per_rank (names the limit), bad shapes or sites; before
-            launching.
+            launching. RuntimeError: inside a CUDA graph capture (PeerBuffers.refuse_capture).
         PeerTimeoutError: a peer never reached a barrier (names rank, phase, peer).
         PeerDataError: a peer's call at another site, or with another T.
     """
@@ -342,6 +342,7 @@ def tp_combine_all_reduce(bufs: pb.PeerBuffers, expert_y: Sequence[torch.Tensor]
 
     Raises:
         ValueError: bad shapes/dtypes/devices/sites, T > max_tokens_per_rank; before launching.
+        RuntimeError: inside a CUDA graph capture (PeerBuffers.refuse_capture).
         PeerDataError: a token_slot entry >= N_r (refused on the device, nothing read with it);
             a peer's call at another site, or with another T.
         PeerTimeoutError: a peer never reached a barrier (names rank, phase, peer).

@@ -163,14 +163,17 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
         out: optional [sum T_r, H] output. Others: see ep_dispatch.
 
     Raises:
-        ValueError: stale handle, bad shapes (before launching).
+        ValueError: stale handle (one combined already included), bad shapes (before
+            launching). RuntimeError: inside a CUDA graph capture (before launching).
         PeerTimeoutError / PeerDataError: see ep_dispatch.
     """
     s = bufs.spec
     bufs.check_usable()
-    if handle.epoch != bufs._last_dispatch:
-        raise ValueError(f"handle of epoch {handle.epoch} is stale: the buffers hold dispatch "
-                         f"epoch {bufs._last_dispatch}; combine the newest dispatch")
+    if handle.epoch != bufs._last_dispatch:  # (a second combine would find its flags set)
+        raise ValueError(f"handle of epoch {handle.epoch} is stale: it was combined already, or "
+                         "the buffers were reset or restarted their epochs, or hold a newer "
+                         f"dispatch (epoch {bufs._last_dispatch}); combine each dispatch once, "
+                         "the newest")
     eys = [expert_y] if isinstance(expert_y, torch.Tensor) else list(expert_y)
     if len(eys) != bufs.n_local:
         raise ValueError(f"expert_y: need {bufs.n_local} tensor(s), got {len(eys)}")
@@ -204,6 +207,8 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
                     for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE))]
                 for c in grids}
     launches = compiled[cpr]  # (compiled before anything is launched)
+    bufs.refuse_capture()
+    bufs._last_dispatch = None  # (combined: once)
     for f in launches:
         bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, spins)
     if check:

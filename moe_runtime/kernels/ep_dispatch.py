@@ -399,8 +399,9 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
         timeout_s, max_spins: bound of every device wait: max_spins polls, or by default
             timeout_s at one poll per peer_sync.POLL_NS (~1.5x timeout_s on the H200).
         check: read the error words after the launch (host sync) and raise PeerTimeoutError;
-            then also read each local rank's row count (handle.rows_used). Pass False inside
-            CUDA graphs and call bufs.check_errors() later.
+            then also read each local rank's row count (handle.rows_used). False: no host
+            sync here; call bufs.check_errors() later. (No call of the multi-rank kernels may
+            be captured in a CUDA graph: PeerBuffers.refuse_capture.)
         skip_rank: test hook: the CTAs of this (virtual) rank do nothing (a withheld rank).
 
     Returns:
@@ -408,6 +409,7 @@ def ep_dispatch(bufs: pb.PeerBuffers, x: torch.Tensor, topk_ids: torch.Tensor,
 
     Raises:
         ValueError / TypeError: bad inputs or sites, before anything is launched.
+        RuntimeError: inside a CUDA graph capture, before anything is launched.
         PeerDataError (check=True): a topk_ids entry outside [0, E), or more rows for one
             destination than the buffers hold (repeated ids in a token); refused on the device.
             A source's call at another site (the outputs are then wrong).

@@ -42,11 +42,12 @@ PHASE_BIT = 0x80000000
 
 @cute.jit
 def record_error(err_addr: Int64, site: Constexpr[int]):
-    """Set error word `site` and bump the "any error" word 0 (system scope: the host reads them)."""
+    """Set error word `site` and bump the "any error" word 0 (system scope: the host reads them;
+    the bump releases the site word, so a host that sees word 0 set also sees which site)."""
     if err_addr != Int64(0):
         errs = mapped_i32(err_addr)
         st_relaxed(errs + site, Int32(1), "sys")
-        cute.arch.atomic_add(errs, Int32(1), scope="sys")
+        cute.arch.atomic_add(errs, Int32(1), sem="release", scope="sys")
 
 
 @cute.jit

@@ -103,6 +103,28 @@ def test_dispatch_combine_match_reference(vr, mode):
             close(y, yr, f"W={vr.W} {mode} combine rank {r}")
 
 
+def test_capture_is_refused_and_leaves_the_buffers_usable(vr):
+    """A CUDA graph would freeze each call's barrier epoch (a launch argument), so its replays
+    would pass every wait: the calls refuse a capture before they change any state, and the
+    same calls then run eagerly."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tokens = UNEVEN[:vr.W]
+    xs, ids, ws = inputs(tokens, gen)
+    h = vr.dispatch(xs, ids, mode="decode", timeout_s=TIMEOUT_S)  # (compiled, eagerly)
+    for call in (lambda: vr.dispatch(xs, ids, mode="decode", timeout_s=TIMEOUT_S, check=False),
+                 lambda: vr.combine(h, h.expert_x, ws, timeout_s=TIMEOUT_S, check=False),
+                 lambda: vr.all_reduce(torch.ones(vr.W, 4, H, device="cuda",
+                                                  dtype=torch.bfloat16), check=False)):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                call()
+    ys = vr.combine(h, h.expert_x, ws, timeout_s=TIMEOUT_S)  # (identity experts)
+    for r in range(vr.W):
+        ref = (ws[r].sum(1, keepdim=True) * xs[r].float()).bfloat16()
+        close(ys[r], ref, f"W={vr.W} rank {r} after the refused captures")
+
+
 def test_back_to_back_changing_tokens(vr):
     """200 calls, T per rank changing every call (zeros included), decode and prefill mixed, no
     memset in between: stale flags would hand out old rows or old counts."""
