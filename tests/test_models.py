@@ -247,6 +247,15 @@ def test_tied_config_with_a_different_lm_head_uses_it_like_hf(ckpts, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_model(d, progress=False).lm_head is None
+    # tied and stored only as lm_head.weight (HF's tie_weights takes it for both): loaded so
+    _rewrite_tensor(d, "model.embed_tokens.weight", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_model(d, progress=False)
+    assert model.lm_head is None and torch.equal(model.embed_tokens.weight, embed)
+    out = run_requests(model, encode(d, PROMPTS[:2]), range(2), SamplingParams(max_new_tokens=6),
+                       stop_ids=[])
+    assert out.token_ids == hf_greedy(d, PROMPTS[:2], 6)
 
 
 def test_unused_checkpoint_tensors_are_named_in_a_warning(ckpts, tmp_path):
@@ -264,6 +273,17 @@ def test_unused_checkpoint_tensors_are_named_in_a_warning(ckpts, tmp_path):
         warnings.simplefilter("error")
         load_model(ckpts["mixtral"], progress=False)  # sharded, all tensors used
         load_model(ckpts["qwen3-moe"], Parallel("dp_nvlink", 0, 2), progress=False)
+    # a stale index entry (its shard lacks the tensor; HF loads such a checkpoint): a warning,
+    # not a safetensors error after every weight was read
+    d = str(tmp_path / "stale_index")
+    shutil.copytree(ckpts["mixtral"], d)
+    index = os.path.join(d, "model.safetensors.index.json")
+    data = json.load(open(index))
+    data["weight_map"]["model.layers.9.mlp.stale.weight"] = next(iter(data["weight_map"].values()))
+    json.dump(data, open(index, "w"))
+    with pytest.warns(UserWarning, match=r"index.json names 1 tensor\(s\) that its shards do not "
+                                         r"hold, none used by the model: model\.layers\.9\.mlp"):
+        load_model(d, progress=False)
 
 
 def test_sharded_index_errors_name_the_files(ckpts, tmp_path):
@@ -753,6 +773,46 @@ def test_layer_types_decide_the_sliding_window():
     mixed = Dots1Config(**kw, layer_types=["sliding_attention", "full_attention"] * 2)
     with pytest.raises(ValueError, match=r"some layers only \(2 of 4 in layer_types\)"):
         dots1.spec_from_config(mixed, torch.float32)
+
+
+def test_auto_dtype_without_one_in_config_json_is_the_stored_one_as_in_hf(ckpts, tmp_path):
+    """config.json without dtype / torch_dtype: "auto" takes the first stored floating-point
+    tensor's dtype (HF transformers 5's rule), not float32 (twice a bf16 model's memory)."""
+    from transformers import AutoModelForCausalLM
+    d = str(tmp_path / "nodtype")
+    make_checkpoint(d, "mixtral", "tiny", dtype="bfloat16", max_shard_size="100KB")
+    path = os.path.join(d, "config.json")
+    cfg = {k: v for k, v in json.load(open(path)).items() if k not in ("dtype", "torch_dtype")}
+    json.dump(cfg, open(path, "w"))
+    assert AutoModelForCausalLM.from_pretrained(d).dtype == torch.bfloat16
+    assert read_spec(d)[0].moe.dtype == torch.bfloat16
+    assert read_spec(d, "float16")[0].moe.dtype == torch.float16
+    cfg_only = str(tmp_path / "cfg_only")
+    os.makedirs(cfg_only)
+    shutil.copy(path, cfg_only)
+    assert read_spec(cfg_only)[0].moe.dtype == torch.float32  # (no weights to ask)
+
+
+def test_families_whose_hf_model_never_windows_ignore_a_sliding_window_key():
+    """A config.json with `sliding_window` (a converted or merged checkpoint): HF's GLM-4-MoE,
+    OLMoE and DeepSeek-V3 build full causal masks whatever it says, so the engine does not
+    window them either; Mixtral reads it, Qwen3-MoE only with use_sliding_window."""
+    import transformers
+
+    from moe_runtime.models import get_architecture
+    from moe_runtime.models.make_checkpoint import _KWARGS, ARCH_NAMES
+    for arch, window in (("glm4-moe", None), ("olmoe", None), ("deepseek-v3", None),
+                         ("mixtral", 8)):
+        a = get_architecture(ARCH_NAMES[arch])
+        cfg = getattr(transformers, a.hf_class_name.replace("ForCausalLM", "Config"))(
+            **_KWARGS[arch]("tiny"))
+        cfg.sliding_window = 8  # (as transformers keeps an unknown config.json key)
+        assert a.spec_from_config(cfg, torch.float32).sliding_window == window, arch
+    qwen = transformers.Qwen3MoeConfig(**_KWARGS["qwen3-moe"]("tiny"), sliding_window=8)
+    assert get_architecture("qwen3_moe").spec_from_config(qwen, torch.float32).sliding_window is None
+    qwen = transformers.Qwen3MoeConfig(**_KWARGS["qwen3-moe"]("tiny"), sliding_window=8,
+                                       use_sliding_window=True)
+    assert get_architecture("qwen3_moe").spec_from_config(qwen, torch.float32).sliding_window == 8
 
 
 def test_rank_progress_grows_inside_a_prefill(ckpts):

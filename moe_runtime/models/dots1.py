@@ -25,7 +25,7 @@ def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     dense = tuple(range(min(cfg.first_k_dense_replace, cfg.num_hidden_layers)))
     return ModelSpec(qk_norm=True, moe=sigmoid_moe_config(cfg, dtype), dense_layers=dense,
                      dense_intermediate_size=cfg.intermediate_size,
-                     **{**common_spec_fields(cfg, dtype), "sliding_window": layer_types_window(cfg)})
+                     **common_spec_fields(cfg, dtype, layer_types_window(cfg)))
 
 
 ARCH = Architecture(model_type="dots1", hf_class_name="Dots1ForCausalLM",

@@ -30,6 +30,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # safetensors' names of the dtypes read (each converted to the compute dtype: a float64
 # checkpoint computes in float32, resolve_dtype)
 _STORED_DTYPES = ("F32", "BF16", "F16", "F64")
+_STORED_AS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 class CheckpointError(ValueError):
@@ -37,16 +38,19 @@ class CheckpointError(ValueError):
     or stored dtype. The message names the tensor and the file (or the files searched)."""
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config) -> torch.dtype:
-    """"auto"/None -> the config's dtype (float32 when absent or another, e.g. float64); a
-    name or a torch.dtype -> itself.
+def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config,
+                  model_dir: Optional[str] = None) -> torch.dtype:
+    """"auto"/None -> the config's dtype, or where config.json has none the dtype of the first
+    floating-point tensor stored in model_dir (HF transformers' "auto"), else float32; float32
+    for any other (e.g. float64). A name or a torch.dtype -> itself.
 
     Raises:
         ValueError: a dtype other than float32, bfloat16, float16.
     """
     if dtype in (None, "auto"):
         d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        d = str(d).replace("torch.", "") if d is not None else "float32"
+        d = str(d).replace("torch.", "") if d is not None else (
+            model_dir and _first_stored_dtype(model_dir))
         return _DTYPES.get(d, torch.float32)
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -55,6 +59,24 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config) -> torch.dtyp
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def _first_stored_dtype(model_dir: str) -> Optional[str]:
+    """The dtype name of the first floating-point tensor of the checkpoint's first file, or None
+    (no weights, or a file this cannot read: loading reports it with its name)."""
+    from safetensors import SafetensorError, safe_open
+    index = os.path.join(model_dir, INDEX_FILE)
+    try:
+        with open(index) as f:
+            first = min(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        first = SINGLE_FILE
+    try:
+        with safe_open(os.path.join(model_dir, first), framework="pt") as f:
+            return next((_STORED_AS[c] for c in (f.get_slice(k).get_dtype() for k in f.keys())
+                         if c in _STORED_AS), None)
+    except (OSError, SafetensorError):
+        return None
 
 
 def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
@@ -90,7 +112,7 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
                          f"quant_method {method!r}); use a float32, bfloat16, float16 or float64 "
                          "checkpoint")
     arch = get_architecture(cfg.model_type)
-    compute = resolve_dtype(dtype, cfg)  # (a bad `dtype` argument is the caller's: not wrapped)
+    compute = resolve_dtype(dtype, cfg, model_dir)  # (a bad `dtype` argument is the caller's)
     try:
         spec = arch.spec_from_config(cfg, compute)
     except (TypeError, ValueError) as e:  # e.g. num_experts not divisible by n_group
@@ -174,8 +196,15 @@ class CheckpointReader:
     def has(self, key: str) -> bool:
         return key in self.weight_map
 
+    def stored(self, key: str) -> bool:
+        """Whether the shard the index names for `key` holds it (a stale index may name
+        tensors its shards lack)."""
+        fname = self.weight_map[key]
+        self._open(fname)
+        return key in self._keys[fname]
+
     def shape(self, key: str) -> tuple[int, ...]:
-        """The stored shape of tensor `key` (read from its file's header)."""
+        """The stored shape of tensor `key` (read from its file's header); `stored(key)` first."""
         return tuple(self._open(self.weight_map[key]).get_slice(key).get_shape())
 
     def read(self, key: str, shape: tuple[int, ...], *, dim: int = 0,
@@ -244,7 +273,10 @@ def _tensor_loaders(model: MoECausalLM, arch: Architecture, reader: CheckpointRe
     }
     if spec.mla is not None:
         full.update(_latent_attention_shapes(spec, sh))
-    top = {"embed_tokens.weight": ("model.embed_tokens.weight", (V, H)),
+    embed = "model.embed_tokens.weight"
+    if spec.tie_word_embeddings and not reader.has(embed) and reader.has("lm_head.weight"):
+        embed = "lm_head.weight"  # (tied, stored under the head's name: HF ties them so too)
+    top = {"embed_tokens.weight": (embed, (V, H)),
            "norm.weight": ("model.norm.weight", (H,)), "lm_head.weight": ("lm_head.weight", (V, H))}
 
     def plain(key, shape, dim=0, rng=None):
@@ -371,7 +403,8 @@ def _param_dtype(name: str, spec: ModelSpec, arch: Architecture) -> torch.dtype:
 def _untie_if_lm_head_differs(spec: ModelSpec, reader: CheckpointReader) -> ModelSpec:
     """config.json ties lm_head to embed_tokens but the checkpoint also stores an lm_head.weight
     that differs: use it untied, with a warning (what HF transformers' from_pretrained does)."""
-    if not (spec.tie_word_embeddings and reader.has("lm_head.weight")):
+    if not (spec.tie_word_embeddings and reader.has("lm_head.weight")
+            and reader.has("model.embed_tokens.weight")):  # (one only: tied, _tensor_loaders)
         return spec
     shape = (spec.vocab_size, spec.hidden_size)
     if torch.equal(reader.read("lm_head.weight", shape), reader.read("model.embed_tokens.weight", shape)):
@@ -387,7 +420,7 @@ def _warn_unused(reader: CheckpointReader, spec: ModelSpec, arch: Architecture) 
     another rank's experts (per-expert keys of an existing layer and expert) nor empty nor the
     gate of a 0-wide shared expert (Qwen2-MoE: HF saves it; its output is 0), e.g. the layers of
     a checkpoint with more layers than config.json's num_hidden_layers (GLM-4-MoE's
-    multi-token-prediction layers)."""
+    multi-token-prediction layers); and about tensors the index names but no shard holds."""
     pattern = re.compile(r"model\.layers\.(\d+)\.(?:%s)\.experts\.(\d+)\."
                          % "|".join(map(re.escape, arch.moe_block_names)))
 
@@ -396,7 +429,13 @@ def _warn_unused(reader: CheckpointReader, spec: ModelSpec, arch: Architecture) 
         return m is not None and int(m[1]) < spec.num_layers and int(m[2]) < spec.moe.num_experts
 
     no_shared = spec.moe.shared_expert_intermediate_size == 0
-    unused = sorted(k for k in reader.weight_map if k not in reader.read_keys and not other_ranks(k)
+    candidates = [k for k in reader.weight_map if k not in reader.read_keys and not other_ranks(k)]
+    absent = sorted(k for k in candidates if not reader.stored(k))
+    if absent:
+        warnings.warn(f"{reader.model_dir}: {INDEX_FILE} names {len(absent)} tensor(s) that its "
+                      f"shards do not hold, none used by the model: {', '.join(absent[:8])}"
+                      + (f" and {len(absent) - 8} more" if len(absent) > 8 else ""), stacklevel=3)
+    unused = sorted(k for k in candidates if k not in absent
                     and 0 not in reader.shape(k)  # (empty: e.g. HF's 0-wide shared expert)
                     and not (no_shared and k.endswith(".shared_expert_gate.weight")))
     if unused:

@@ -12,11 +12,11 @@ from .spec import Architecture, ModelSpec, common_spec_fields
 
 def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     """ModelSpec of a transformers MixtralConfig (experts: `num_local_experts`, I:
-    `intermediate_size`)."""
+    `intermediate_size`; the window: `sliding_window`)."""
     moe = MoEConfig(hidden_size=cfg.hidden_size, num_experts=cfg.num_local_experts,
                     top_k=cfg.num_experts_per_tok, moe_intermediate_size=cfg.intermediate_size,
                     scoring="softmax", norm_topk_prob=True, dtype=dtype)
-    return ModelSpec(qk_norm=False, moe=moe, **common_spec_fields(cfg, dtype))
+    return ModelSpec(qk_norm=False, moe=moe, **common_spec_fields(cfg, dtype, cfg.sliding_window))
 
 
 ARCH = Architecture(model_type="mixtral", hf_class_name="MixtralForCausalLM",

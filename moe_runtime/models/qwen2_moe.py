@@ -21,15 +21,13 @@ def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
     Raises:
         ValueError: sliding windows on some layers only, or common_spec_fields' errors.
     """
-    window = layer_types_window(cfg)
     shared = int(cfg.shared_expert_intermediate_size or 0)
     moe = softmax_moe_config(cfg, dtype, shared_expert_intermediate_size=shared,
                              shared_expert_gate=shared > 0)
-    fields = common_spec_fields(cfg, dtype)
+    fields = common_spec_fields(cfg, dtype, layer_types_window(cfg))
     return ModelSpec(qk_norm=False, moe=moe, dense_layers=dense_layers(cfg),
                      dense_intermediate_size=cfg.intermediate_size,
-                     **{**fields, "attention_bias": bool(cfg.qkv_bias), "o_proj_bias": False,
-                        "sliding_window": window})
+                     **{**fields, "attention_bias": bool(cfg.qkv_bias), "o_proj_bias": False})
 
 
 ARCH = Architecture(model_type="qwen2_moe", hf_class_name="Qwen2MoeForCausalLM",

@@ -30,9 +30,11 @@ def softmax_moe_config(cfg, dtype: torch.dtype, **shared_expert) -> MoEConfig:
 
 
 def spec_from_config(cfg, dtype: torch.dtype) -> ModelSpec:
-    """ModelSpec of a transformers Qwen3MoeConfig (the MoE: `softmax_moe_config`)."""
+    """ModelSpec of a transformers Qwen3MoeConfig (the MoE: `softmax_moe_config`; the window:
+    `sliding_window`, which the config sets to None unless `use_sliding_window`)."""
     return ModelSpec(qk_norm=True, moe=softmax_moe_config(cfg, dtype), dense_layers=dense_layers(cfg),
-                     dense_intermediate_size=cfg.intermediate_size, **common_spec_fields(cfg, dtype))
+                     dense_intermediate_size=cfg.intermediate_size,
+                     **common_spec_fields(cfg, dtype, cfg.sliding_window))
 
 
 ARCH = Architecture(model_type="qwen3_moe", hf_class_name="Qwen3MoeForCausalLM",

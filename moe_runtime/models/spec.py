@@ -186,8 +186,11 @@ def layer_types_window(cfg) -> Optional[int]:
                      "engine windows all layers or none")
 
 
-def common_spec_fields(cfg, dtype: torch.dtype) -> dict:
-    """The ModelSpec fields every Llama-style HF config spells the same way.
+def common_spec_fields(cfg, dtype: torch.dtype, sliding_window: Optional[int] = None) -> dict:
+    """The ModelSpec fields every Llama-style HF config spells the same way, with
+    `sliding_window`: a family's HF model reads the config's key its own way, or not at all
+    (GLM-4-MoE, OLMoE, DeepSeek-V3 build full causal masks whatever config.json holds), so each
+    family passes its window (none by default).
 
     Raises:
         ValueError: a `hidden_act` other than SiLU (the engine's MLPs and experts are SwiGLU)."""
@@ -203,7 +206,7 @@ def common_spec_fields(cfg, dtype: torch.dtype) -> dict:
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
         o_proj_bias=bool(getattr(cfg, "attention_bias", False)),
-        rms_norm_eps=float(cfg.rms_norm_eps), sliding_window=getattr(cfg, "sliding_window", None),
+        rms_norm_eps=float(cfg.rms_norm_eps), sliding_window=sliding_window,
         max_position_embeddings=int(cfg.max_position_embeddings),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         eos_token_ids=eos_ids(getattr(cfg, "eos_token_id", None)), hf_config=cfg)
