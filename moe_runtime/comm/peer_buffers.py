@@ -565,26 +565,22 @@ class PeerBuffers:
                                  f"sized for max_tokens_per_rank={T} (0 <= T <= {T})")
 
     def check_usable(self) -> None:
+        """RuntimeError when the buffers broke (reset() them) or inside a CUDA graph capture
+        (`refuse_capture`): every multi-rank call checks this first, before any state changes."""
         if self.broken:
             raise RuntimeError(f"peer buffers unusable after an error ({self.broken}); call reset()")
+        self.refuse_capture()
 
     def next_epoch(self) -> int:
         """Epoch of the next dispatch/combine pair: 1, 2, ..., EPOCH_LIMIT, then (after
-        restart_epochs) 1 again.
-
-        Raises:
-            RuntimeError: inside a CUDA graph capture (`refuse_capture`).
-        """
-        self.refuse_capture()
+        restart_epochs) 1 again."""
         if self.epoch + 1 > EPOCH_LIMIT:
             self.restart_epochs()
         self.epoch += 1
         return self.epoch
 
     def take_sig_epochs(self, n: int) -> int:
-        """Reserve n consecutive barrier epochs (all <= EPOCH_LIMIT); returns the first.
-        RuntimeError inside a CUDA graph capture (`refuse_capture`)."""
-        self.refuse_capture()
+        """Reserve n consecutive barrier epochs (all <= EPOCH_LIMIT); returns the first."""
         if self.sig_epoch + n > EPOCH_LIMIT:
             self.restart_epochs()
         self.sig_epoch += n

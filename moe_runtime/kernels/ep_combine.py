@@ -207,7 +207,6 @@ def ep_combine(bufs: pb.PeerBuffers, handle: EPDispatchHandle,
                     for ph in ((PH_CALL,) if decode else (PH_CSEND, PH_CREDUCE))]
                 for c in grids}
     launches = compiled[cpr]  # (compiled before anything is launched)
-    bufs.refuse_capture()
     bufs._last_dispatch = None  # (combined: once)
     for f in launches:
         bufs.launch(f, handle.epoch, s.stage_rows, bufs.rank0, skip_rank, spins)
