@@ -307,21 +307,22 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_term is None else previous_term)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the running code is, handled as Ctrl-C (exit code 128 + signum)."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
+# SIGTERMs the running command received: Ray's waits re-raise the KeyboardInterrupt a signal
+# handler raises as a plain one, so the signal is recorded where it arrives
+_SIGNALLED: list[int] = []
 
 
 def _terminate(signum, frame):
-    raise Terminated(signum)
+    _SIGNALLED.append(signum)
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _interrupted_code(e: KeyboardInterrupt) -> int:
-    """The shell's exit code for the signal that stopped us: 130 for SIGINT, 143 for SIGTERM."""
-    return 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
+    """The shell's exit code for the signal that stopped us: 128 + its number, i.e. 130 for
+    SIGINT, 143 for SIGTERM (recorded by `_terminate`, or carried as `e.signum` by the engine
+    when Ray's own handler took it inside ray.init)."""
+    signum = getattr(e, "signum", None) or (_SIGNALLED[-1] if _SIGNALLED else signal.SIGINT)
+    return 128 + signum
 
 
 def _stop_ray() -> None:
@@ -337,6 +338,7 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
          ) -> int:
     """Run the command line `argv` (default sys.argv[1:]) parsed by `parser` (default
     build_parser()); returns the exit code (module docstring)."""
+    _SIGNALLED.clear()
     try:
         args = (parser or build_parser()).parse_args(argv)
         if args.command == "make-checkpoint":

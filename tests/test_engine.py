@@ -666,8 +666,9 @@ def _bare_engine(world_size: int = 2) -> Engine:
 
 def test_signal_inside_ray_init_is_an_interrupt_and_stops_the_half_started_ray(monkeypatch):
     """ray.init's own SIGTERM handler exits (SystemExit) when the signal lands inside it: the
-    engine raises KeyboardInterrupt instead (the CLI's exit 130) and its shutdown stops the
-    Ray it was starting, though ray.is_initialized() never became True."""
+    engine raises KeyboardInterrupt instead, carrying the signal (the CLI's exit 143), and its
+    shutdown stops the Ray it was starting, though ray.is_initialized() never became True."""
+    from moe_runtime.cli import _interrupted_code
     stopped = []
 
     def init(**kw):
@@ -676,8 +677,9 @@ def test_signal_inside_ray_init_is_an_interrupt_and_stops_the_half_started_ray(m
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
     eng = _bare_engine()
-    with pytest.raises(KeyboardInterrupt, match="signal during ray.init"):
+    with pytest.raises(KeyboardInterrupt, match="signal during ray.init") as e:
         eng._start_ray(None, "cpu", {})
+    assert _interrupted_code(e.value) == 143
     eng.shutdown()
     eng.shutdown()  # idempotent
     assert stopped == [True]
@@ -945,7 +947,7 @@ def test_checkpoint_without_tokenizer_fails_before_ray_starts(ckpt, tmp_path):
     for f in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(ckpt, f), no_tok)
     started = ray.is_initialized()
-    with pytest.raises(CheckpointError, match="no tokenizer"):
+    with pytest.raises(CheckpointError, match="no usable tokenizer"):
         Engine(no_tok, world_size=1, topology="local")
     assert ray.is_initialized() == started
     assert main(["generate", "--model", no_tok, "--prompt", "hello world"]) != 0

@@ -415,9 +415,12 @@ class Engine:
         try:
             self._init_ray(ray, address, device, extra)
         except SystemExit as e:
-            # ray.init's own SIGTERM handlers exit (sys.exit) when the signal lands inside it:
-            # an interruption like any other (the caller shuts down what was started)
-            raise KeyboardInterrupt(f"signal during ray.init ({e})") from None
+            # ray.init's own SIGTERM handlers exit (sys.exit(signum)) when the signal lands
+            # inside it: an interruption like any other (the caller shuts down what was
+            # started), carrying the signal's number (the CLI exits 128 + it)
+            interrupt = KeyboardInterrupt(f"signal during ray.init ({e})")
+            interrupt.signum = e.code if isinstance(e.code, int) and e.code > 0 else None
+            raise interrupt from None
         finally:
             if saved_term is not None:
                 signal.signal(signal.SIGTERM, saved_term)
