@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-import operator
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,9 +69,9 @@ class MoEConfig:
         for name in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size", "n_group",
                      "topk_group", "shared_expert_intermediate_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-            object.__setattr__(self, name, operator.index(v))  # (e.g. a numpy int: its int)
+            object.__setattr__(self, name, int(v))  # (a numpy integer: the int it holds)
         for name in ("norm_topk_prob", "use_correction_bias", "shared_expert_gate",
                      "router_logits_fp32"):
             v = getattr(self, name)

@@ -207,8 +207,10 @@ class Experts(CheckedModule):
         rule applies to them (it is about speed only, see GEMV_MAX_ROWS)."""
         if not (x.dtype in (torch.bfloat16, torch.float16) and self._cute(x.device)):
             return False  # (before any test of the row count: no size guard under torch.compile)
+        from .kernels.cute_ops import MAX_EXPERTS  # (the GEMV's limit; cutlass is importable)
         rows = x.shape[0] if rows is None else rows
         return (rows <= GEMV_MAX_ROWS and 2 * rows <= 3 * self.gate_up_proj.shape[0]
+                and self.gate_up_proj.shape[0] <= MAX_EXPERTS
                 and self.use_grouped_mm is not False and self._rows_16b_aligned(x.dtype)
                 and self._weights_contiguous_aligned())
 

@@ -215,6 +215,10 @@ def test_unsupported_first_call_raises_before_making_buffers(cute_on_cpu, topo):
     with pytest.raises(ValueError, match="16 bytes"):
         t.dispatch(*batch(4, H=12))
     assert t.peer_buffers is None and not cute_on_cpu
+    big = make_topology(topo, 2048, backend="cute")  # (the kernels' limits, not PeerSpec's)
+    with pytest.raises(ValueError, match="num_local_experts must be in"):
+        big.dispatch(*batch(4))
+    assert big.peer_buffers is None and not cute_on_cpu
 
 
 def test_topologies_share_peer_buffers_per_group_spec_device_transport(cute_on_cpu):
@@ -542,7 +546,9 @@ def test_ranks_asking_different_backends_raise_on_every_rank():
         for o in outs:
             kind, msg = o[0]
             assert kind == "ValueError" and "every rank must build the same topology" in msg, msg
-            assert f"[('tp', 8, 'cute', 'ipc'), ('tp', 8, '{backends[1]}', 'ipc')]" in msg, msg
+            transport = "-" if backends[1] == "reference" else "ipc"  # (reference: no buffers)
+            assert f"[('tp', 8, 'cute', 'ipc'), ('tp', 8, '{backends[1]}', '{transport}')]" in msg, \
+                msg
 
 
 @pytest.mark.parametrize("backend", ["auto", "cute"])

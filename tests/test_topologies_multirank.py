@@ -203,8 +203,9 @@ def test_ranks_with_another_topology_raise_on_every_rank(pools, topo_name):
     """Another num_experts (or topology) on one rank: its rows would have other sizes (gloo
     aborts the process) or, under tp, another split's partial sums would be added silently."""
     other = "dp_p2p" if topo_name == "tp" else "tp"
-    shown = lambda name, experts, backend: (  # noqa: E731 (peer-buffer topologies: transport)
-        f"('{name}', {experts}, '{backend}', '{'-' if name == 'dp_p2p' else 'auto'}')")
+    shown = lambda name, experts, backend: (  # noqa: E731 (transport: where peer buffers may be)
+        f"('{name}', {experts}, '{backend}', "
+        f"'{'-' if name == 'dp_p2p' or backend == 'reference' else 'auto'}')")
     cases = [(topo_name, E // 2, "reference"), (other, E, "reference")]
     if topo_name != "dp_p2p":  # (another backend: on a GPU the two would wait in different
         cases.append((topo_name, E, "auto"))  # collectives until the group's timeout)

@@ -248,8 +248,9 @@ def compile_tp_combines(hidden: int, top_k: int, world: int, n_local: int, dtype
     ONESHOT_MAX_BYTES, two-shot above), for `n_local` ranks of this process on the current
     device (a serving warm-up: TPTopology.compile_kernels). Returns how many (0 for
     max_tokens < 1)."""
-    names = {pick_algo("auto", T * hidden * dtype.itemsize) for T in {1, max_tokens}
-             if T >= 1}
+    if max_tokens < 1:
+        return 0
+    names = {pick_algo("auto", T * hidden * dtype.itemsize) for T in (1, max_tokens)}
     for name in names:
         _launch_fn(COMBINE | ALGOS[name], hidden, top_k, world, n_local, dtype, arch)
     return len(names)

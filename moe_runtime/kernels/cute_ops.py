@@ -143,14 +143,9 @@ def _num_local_experts_problem(n: int) -> str | None:
 def _route_problem(E: int, top_k: int, sigmoid: bool, n_group: int, topk_group: int) -> str | None:
     if not 1 <= E <= MAX_EXPERTS or top_k > E:
         return f"need 1 <= E <= {MAX_EXPERTS} and top_k <= E, got E={E}, top_k={top_k}"
-    if not sigmoid:
-        return None
-    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
+    if sigmoid and (n_group < 1 or E % n_group or not 1 <= topk_group <= n_group):
         return (f"need E % n_group == 0 and 1 <= topk_group <= n_group, got E={E}, "
                 f"n_group={n_group}, topk_group={topk_group}")
-    if topk_group * (E // n_group) < top_k:
-        return (f"the topk_group={topk_group} kept groups of {E // n_group} experts hold fewer "
-                f"than top_k={top_k} experts")
     return None
 
 

@@ -123,8 +123,8 @@ class Topology(abc.ABC):
         if result.handle.get("abandoned"):
             raise RuntimeError(
                 f"{self.name}: this dispatch result was abandoned ({result.handle['abandoned']}): "
-                "its combine was already taken without a result on this rank (the peers raised "
-                "CallAbandoned); dispatch again")
+                "its combine was already taken without a result on this rank (its peers were "
+                "released, or its peer buffers marked broken); dispatch again")
         self._before_combine()
         ex = result.expert_x
         try:

@@ -401,7 +401,8 @@ class GroupTopology(Topology):
         """
         row = (HEADER_KINDS["topology"], _TOPOLOGY_CODES.get(self.name, len(_TOPOLOGY_CODES)),
                self.num_experts, TOPOLOGY_BACKENDS.index(self.backend),
-               _TRANSPORT_NAMES.index(self.__dict__.get("transport", "-")))
+               _TRANSPORT_NAMES.index("-" if self.backend == "reference"  # (no peer buffers)
+                                      else self.__dict__.get("transport", "-")))
         every = self._exchange_header(row + (0,) * (HEADER_WIDTH - len(row)), device,
                                       "topology check")
         if any(r != every[self.rank] for r in every):
@@ -884,6 +885,12 @@ class PeerBufferTopology(GroupTopology):
             spec, error = PeerSpec(**call), None
         except (TypeError, ValueError) as e:
             spec, error = None, e
+        if spec is not None and kernels.cute_available():  # (the kernels' limits: top_k <= 32)
+            from ..kernels import cute_ops
+            why = cute_ops.rows_unsupported(x.shape[1], x.dtype, self.num_local_experts,
+                                            topk_ids.shape[1])
+            if why:
+                spec, error = None, ValueError(why)
         key = (self.group, spec, x.device, self.transport)
         shared = None if spec is None else _SHARED.get(key)  # (held: the registry is weak)
         if shared is not None and shared.broken:  # (e.g. ranks out of step: new topologies)

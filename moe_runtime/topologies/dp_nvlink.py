@@ -62,6 +62,7 @@ class DPNVLinkTopology(PeerBufferTopology, DataParallelTopology):
         if "ep" not in h:
             return super()._combine(expert_y, result)
         from ..kernels.ep_combine import ep_combine
+        h["peer_buffers"].check_usable()  # (a capture refused before the exchange is taken)
         h["settled"] = True
         return ep_combine(h["peer_buffers"], h["ep"], expert_y, h["topk_weights"],
                           **self._kernel_bounds())

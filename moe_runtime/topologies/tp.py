@@ -98,6 +98,7 @@ class TPTopology(PeerBufferTopology):
     def _combine(self, expert_y, result: DispatchResult) -> torch.Tensor:
         h = result.handle
         if h["peer_buffers"] is not None:
+            h["peer_buffers"].check_usable()  # (a capture refused before the exchange is taken)
             h["settled"] = True
             from ..kernels.allreduce import tp_combine_all_reduce
             return self._site_checked(h["site"], lambda sites: tp_combine_all_reduce(

@@ -509,15 +509,18 @@ def test_route_nan_logits_match_reference(ops, cfg):
     assert torch.isnan(w).all()
 
 
-@pytest.mark.parametrize("cfg", ROUTERS[3:], ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("cfg", ROUTERS[3:5] + [
+    dict(E=16, k=8, scoring="sigmoid", n_group=4, topk_group=1, bias=True)],  # (4 kept < k)
+    ids=lambda c: "-".join(f"{v}" for v in c.values()))
 def test_route_with_fewer_finite_choices_than_k_matches_reference(ops, cfg):
-    """A -inf correction bias on all but a few experts (experts switched off): the finite
-    choices first, then -inf ones in id order, k distinct ids, as the reference."""
+    """A -inf correction bias on all but a few experts (experts switched off), or kept groups
+    holding fewer than k experts: the finite choices first, then -inf ones in id order, k
+    distinct ids, as the reference."""
     cfg = dict(cfg)
     E, k = cfg.pop("E"), cfg.pop("k")
     cfg.pop("bias")
     bias = torch.full((E,), float("-inf"), device=DEV)
-    bias[torch.randperm(E, device=DEV)[: max(k // 2, 1)]] = 0.0
+    bias[torch.randperm(E, device=DEV)[: max(k // 2, 1) if E > 16 else E]] = 0.0
     logits = torch.randn(300, E, device=DEV)
     ids, w, counts = ops.route(logits, k, correction_bias=bias, **cfg)
     rids, rw, rcounts = reference.route(logits, k, correction_bias=bias, **cfg)
