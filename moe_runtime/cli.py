@@ -279,6 +279,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         print(f"note: {', '.join(ignored)} {verb} when sampling (--temperature > 0); decoding "
               "greedily", file=sys.stderr, flush=True)
     engine = None
+    _SIGNALLED.clear()
     previous_int = signal.getsignal(signal.SIGINT)  # (restored as found: SIG_IGN under nohup)
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
@@ -317,12 +318,16 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _interrupted_code(e: KeyboardInterrupt) -> int:
+def _interrupted_code(e: BaseException) -> int:
     """The shell's exit code for the signal that stopped us: 128 + its number, i.e. 130 for
-    SIGINT, 143 for SIGTERM (recorded by `_terminate`, or carried as `e.signum` by the engine
-    when Ray's own handler took it inside ray.init)."""
-    signum = getattr(e, "signum", None) or (_SIGNALLED[-1] if _SIGNALLED else signal.SIGINT)
-    return 128 + signum
+    SIGINT, 143 for SIGTERM (recorded by `_terminate`, or carried as `signum` by the engine's
+    interrupt when Ray's own handler took it inside ray.init, also under a later Ctrl-C)."""
+    seen = e
+    while seen is not None and getattr(seen, "signum", None) is None:
+        seen = seen.__context__
+    if seen is not None:
+        return 128 + seen.signum
+    return 128 + (_SIGNALLED[-1] if _SIGNALLED else signal.SIGINT)
 
 
 def _stop_ray() -> None:

@@ -680,9 +680,21 @@ def test_signal_inside_ray_init_is_an_interrupt_and_stops_the_half_started_ray(m
     with pytest.raises(KeyboardInterrupt, match="signal during ray.init") as e:
         eng._start_ray(None, "cpu", {})
     assert _interrupted_code(e.value) == 143
+    try:  # (a Ctrl-C during the clean-up that follows keeps the SIGTERM's code)
+        try:
+            raise e.value
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt("Ctrl-C during the shutdown")
+    except KeyboardInterrupt as later:
+        assert _interrupted_code(later) == 143
     eng.shutdown()
     eng.shutdown()  # idempotent
     assert stopped == [True]
+    def init_exiting_1(**kw):
+        raise SystemExit(1)
+    monkeypatch.setattr(ray, "init", init_exiting_1)  # (not a signal: passed on)
+    with pytest.raises(SystemExit):
+        _bare_engine()._start_ray(None, "cpu", {})
 
 
 def test_ctrl_c_inside_ray_init_is_held_until_it_returns(monkeypatch):

@@ -457,21 +457,27 @@ def test_calls_send_their_site_and_ranks_out_of_step_raise(name):
         assert word == want and new_buffers and broken, o["new"]
 
 
-def w_auto_two_ranks(rank, world, cute_on):
-    """backend "auto" on 2 real ranks whose CuTeDSL availability is cute_on[rank]: the
-    construction leaves it unresolved on both, so both join the first CUDA call's gather and
-    settle the same way. Facts of two GPUs with peer access stand in for the CUDA queries."""
+def _as_cuda_rank(rank: int, cute: bool = True) -> list:
+    """This spawned rank pretends to hold one of two GPUs with peer access (CPU tensors take the
+    cute path, the compiled kernels are recorded, not run); returns the recorded launches."""
     os.environ["MOE_RUNTIME_SMS"] = "132"
     torch.cuda.is_available = lambda: True
     from _recorded import record_launches
     from moe_runtime.kernels import cute_ops, reference
-    kernels.cute_available = lambda: cute_on[rank]
+    kernels.cute_available = lambda: cute
     distributed.CUTE_DEVICE_TYPE = "cpu"
     distributed.rank_peer_facts = lambda device: {"host": "h", "gpu": f"g{rank}",
                                                   "peers": [f"g{1 - rank}"]}
     cute_ops.dispatch = reference.dispatch
-    calls = record_launches(setattr)
-    t = make_topology("tp", E, backend="auto", transport="ipc")
+    return record_launches(setattr)
+
+
+def w_auto_two_ranks(rank, world, cute_on, experts=E):
+    """backend "auto" on 2 real ranks whose CuTeDSL availability is cute_on[rank]: the
+    construction leaves it unresolved on both, so both join the first CUDA call's gather and
+    settle the same way. Facts of two GPUs with peer access stand in for the CUDA queries."""
+    calls = _as_cuda_rank(rank, cute_on[rank])
+    t = make_topology("tp", experts, backend="auto", transport="ipc")
     before = t.backend
     res = t.dispatch(*batch(3, seed=7))
     t.combine(res.expert_x, res)
@@ -500,19 +506,48 @@ def test_auto_is_settled_by_every_rank_together(cute_on):
             assert o["cpu_call"] == "reference"
 
 
+def test_auto_settles_on_the_reference_past_the_kernels_limits():
+    """2048 local experts per rank (the kernels take 1024): both ranks settle on the reference,
+    naming the limit, instead of raising at the first call."""
+    for o in run_distributed(w_auto_two_ranks, 2, (True, True), 4096, timeout_s=120):
+        assert (o["after"], o["buffers"], o["launches"]) == ("reference", None, 0), o
+        assert "num_local_experts must be in [1, 1024], got 2048" in o["reason"], o
+
+
+def w_capture_refused_in_combine(rank, world):
+    """tp on cute, 2 ranks: a combine inside a (pretended) CUDA graph capture, which the cute
+    calls refuse on every rank. What it raised, and how the topology and buffers were left."""
+    from moe_runtime.comm import peer_buffers
+    _as_cuda_rank(rank)
+    t = make_topology("tp", E, backend="cute", transport="ipc")
+    res = t.dispatch(*batch(3, seed=7))
+    t.combine(res.expert_x, res)
+    res = t.dispatch(*batch(3, seed=8))
+    def refuse(self):  # (what refuse_capture raises on a CUDA device while capturing)
+        raise RuntimeError("the multi-rank cute kernels cannot be captured in a CUDA graph")
+    peer_buffers.PeerBuffers.refuse_capture = refuse
+    distributed.stream_capturing = lambda: True
+    try:
+        t.combine(res.expert_x, res)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    return dict(raised=raised, out_of_step=t.__dict__.get("_out_of_step"),
+                broken=t.peer_buffers.broken)
+
+
+def test_a_combine_refused_for_a_capture_breaks_the_buffers_not_the_topology():
+    """The ranks then reset() their buffers and go on (a topology out of step would refuse
+    every later call)."""
+    for o in run_distributed(w_capture_refused_in_combine, 2, timeout_s=120):
+        assert "cannot be captured in a CUDA graph" in o["raised"], o
+        assert o["out_of_step"] is None and "without its combine" in o["broken"], o
+
+
 def w_setup_disagrees_or_fails(rank, world, backends, fail_rank):
     """tp with backend backends[rank] on 2 real ranks; rank `fail_rank` (if any) cannot allocate
     its peer heap. Returns what the first call and the second call did on this rank."""
-    os.environ["MOE_RUNTIME_SMS"] = "132"
-    torch.cuda.is_available = lambda: True
-    from _recorded import record_launches
-    from moe_runtime.kernels import cute_ops, reference
-    kernels.cute_available = lambda: True
-    distributed.CUTE_DEVICE_TYPE = "cpu"
-    distributed.rank_peer_facts = lambda device: {"host": "h", "gpu": f"g{rank}",
-                                                  "peers": [f"g{1 - rank}"]}
-    cute_ops.dispatch = reference.dispatch
-    calls = record_launches(setattr)
+    calls = _as_cuda_rank(rank)
     empty = torch.empty
     peer_bytes = pb.HeapLayout.of(pb.PeerSpec(world, 512, 64, 2, E, all_to_all=False)).peer_bytes
 

@@ -415,11 +415,13 @@ class Engine:
         try:
             self._init_ray(ray, address, device, extra)
         except SystemExit as e:
-            # ray.init's own SIGTERM handlers exit (sys.exit(signum)) when the signal lands
+            if e.code != signal.SIGTERM:
+                raise
+            # ray.init's own SIGTERM handler exits (sys.exit(signum)) when the signal lands
             # inside it: an interruption like any other (the caller shuts down what was
             # started), carrying the signal's number (the CLI exits 128 + it)
             interrupt = KeyboardInterrupt(f"signal during ray.init ({e})")
-            interrupt.signum = e.code if isinstance(e.code, int) and e.code > 0 else None
+            interrupt.signum = e.code
             raise interrupt from None
         finally:
             if saved_term is not None:

@@ -233,22 +233,23 @@ class GroupTopology(Topology):
     def abandon(self, result: DispatchResult, error: BaseException) -> None:
         """Take this rank's part in the combine of `result` without a result (see the module
         docstring): the peers raise RuntimeError naming this rank, and every rank stays in
-        step. Inside a CUDA graph capture (which failed) nothing can be exchanged: this
-        topology refuses further calls, and the peers' replays time out. On the cute backend,
-        mark the peer buffers broken instead (its peers' kernels time out; every rank then
-        calls peer_buffers.reset()). If that fails too, this topology refuses further calls
+        step. On the cute backend, mark the peer buffers broken instead (its peers' kernels
+        time out; every rank then calls peer_buffers.reset()), also inside a capture (the cute
+        calls refuse one, on every rank). Otherwise inside a CUDA graph capture (which failed)
+        nothing can be exchanged: this topology refuses further calls, and the peers' replays
+        time out. If the release fails too, this topology refuses further calls
         (`_mark_out_of_step`)."""
         if self.world_size == 1 or result.handle.get("settled"):
             return
         result.handle["settled"] = True
         result.handle["abandoned"] = f"{type(error).__name__}: {error}"
-        if stream_capturing():  # (a capture failed: nothing was exchanged, nor can be now)
-            self._mark_out_of_step(error)
-            return
         bufs = result.handle.get("peer_buffers")
         if bufs is not None:
             bufs.broken = bufs.broken or (f"rank {self.rank} left dispatch #{self.calls} without "
                                           f"its combine ({type(error).__name__}: {error})")
+            return
+        if stream_capturing():  # (a capture failed: nothing was exchanged, nor can be now)
+            self._mark_out_of_step(error)
             return
         try:
             self._release_peers(result)
