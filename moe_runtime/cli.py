@@ -279,7 +279,6 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         print(f"note: {', '.join(ignored)} {verb} when sampling (--temperature > 0); decoding "
               "greedily", file=sys.stderr, flush=True)
     engine = None
-    _SIGNALLED.clear()
     previous_int = signal.getsignal(signal.SIGINT)  # (restored as found: SIG_IGN under nohup)
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
     try:
@@ -308,8 +307,9 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_term is None else previous_term)
 
 
-# SIGTERMs the running command received: Ray's waits re-raise the KeyboardInterrupt a signal
-# handler raises as a plain one, so the signal is recorded where it arrives
+# SIGTERMs the running command received (cleared by `main`): Ray's waits re-raise the
+# KeyboardInterrupt a signal handler raises as a plain one, so the signal is recorded where it
+# arrives
 _SIGNALLED: list[int] = []
 
 

@@ -276,9 +276,8 @@ def load_tokenizer(model_dir: str):
         raise CheckpointError(f"{model_dir}: cannot load its tokenizer: {type(e).__name__}: "
                               f"{e}") from e
     if not tokenizer("a b c")["input_ids"]:
-        raise CheckpointError(f"{model_dir}: no usable tokenizer (it gives no token ids for "
-                              "text): put "
-                              "the model's tokenizer files there (tokenizer.json / "
+        raise CheckpointError(f"{model_dir}: no usable tokenizer (it gives no token ids for text): "
+                              "put the model's tokenizer files there (tokenizer.json / "
                               "tokenizer_config.json, e.g. tokenizer.save_pretrained(model_dir))")
     return tokenizer
 

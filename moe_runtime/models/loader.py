@@ -27,10 +27,9 @@ from .transformer import MoECausalLM, Parallel
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# safetensors' names of the dtypes read (each converted to the compute dtype: a float64
-# checkpoint computes in float32, resolve_dtype)
-_STORED_DTYPES = ("F32", "BF16", "F16", "F64")
-_STORED_AS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+# safetensors' names of the dtypes read, and their torch names (each converted to the compute
+# dtype: a float64 checkpoint computes in float32, resolve_dtype)
+_STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 class CheckpointError(ValueError):
@@ -73,8 +72,8 @@ def _first_stored_dtype(model_dir: str) -> Optional[str]:
         first = SINGLE_FILE
     try:
         with safe_open(os.path.join(model_dir, first), framework="pt") as f:
-            return next((_STORED_AS[c] for c in (f.get_slice(k).get_dtype() for k in f.keys())
-                         if c in _STORED_AS), None)
+            return next((_STORED_DTYPES[c] for c in (f.get_slice(k).get_dtype() for k in f.keys())
+                         if c in _STORED_DTYPES), None)
     except (OSError, SafetensorError):
         return None
 
