@@ -45,11 +45,11 @@ Differences from the HF module, by design:
       `_hf_names`), so `save_pretrained` after the swap writes a checkpoint HF loads as is, and
       an HF state_dict loads into the swapped model (strict loading names missing keys as HF
       does; a tensor given under both names is an unexpected key). The renamed submodules are
-      also reachable under the HF names (`MoELayer.module_aliases`), so every key is an attribute path and
-      torch.distributed.checkpoint's get/set_model_state_dict work on the model itself. Not
-      under DDP, FSDP2 or a torch.compile wrapper: those walk the parameters' own names, which
-      stay MoELayer's (`router.weight`, where the state_dict says `gate.weight`); optimizer
-      state dicts use those names too. Under a multi-rank topology
+      also reachable under the HF names (`MoELayer.module_aliases`), so every key is an
+      attribute path and torch.distributed.checkpoint's get/set_model_state_dict work on the
+      model itself. Not under DDP, FSDP2 or a torch.compile wrapper: those walk the parameters'
+      own names, which stay MoELayer's (`router.weight`, where the state_dict says
+      `gate.weight`); optimizer state dicts use those names too. Under a multi-rank topology
       a rank's state_dict holds only its own slice of the routed experts, so `save_pretrained`
       there does not give an HF checkpoint: the state_dict warns (UserWarning) when it is taken.
     * `output_router_logits=True`: HF records router logits with forward hooks on its router
@@ -419,7 +419,7 @@ class _LoadHFNames:
     """A load_state_dict pre-hook: the HF keys of `names` ({MoELayer key: HF key}) become the
     layer's own (a state_dict keyed by the layer's own names, e.g. by parameter names, loads
     too). A tensor under both names is ambiguous: the key under the layer's own name (not a
-    key of its state_dict) is taken out, so it is not dropped silently, and kept for
+    key of its state_dict) is taken out, so it is not dropped silently, and its name kept for
     _ReportHFNames, which reports it as unexpected. A class, not a closure (pickling)."""
 
     def __init__(self, names: dict[str, str]):
@@ -429,8 +429,10 @@ class _LoadHFNames:
 
     def __call__(self, module, state_dict, prefix, *args):
         self.prefix = prefix
-        self.foreign = [(prefix + o, state_dict.pop(prefix + o)) for o, hf in self.names.items()
+        self.foreign = [prefix + o for o, hf in self.names.items()
                         if prefix + o in state_dict and prefix + hf in state_dict]
+        for key in self.foreign:
+            del state_dict[key]
         _RenameKeys(self.ours)(module, state_dict, prefix)
 
 
@@ -446,7 +448,7 @@ class _ReportHFNames:
         missing = incompatible.missing_keys
         missing[:] = [p + names[k[len(p):]] if k.startswith(p) and k[len(p):] in names else k
                       for k in missing]
-        incompatible.unexpected_keys.extend(k for k, _ in self.loading.foreign)
+        incompatible.unexpected_keys.extend(self.loading.foreign)
         self.loading.foreign = []
 
 
