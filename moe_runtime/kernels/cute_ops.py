@@ -173,6 +173,7 @@ def _check_num_local_experts(n: int) -> None:
         raise ValueError(problem)
 
 
+@functools.lru_cache(maxsize=None)  # (asked on every forward of an "auto" layer)
 def route_unsupported(num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
                       n_group: int = 1, topk_group: int = 1) -> str | None:
     """Why `route` refuses logits of `dtype` over `num_experts` experts with these settings
@@ -183,6 +184,7 @@ def route_unsupported(num_experts: int, top_k: int, dtype: torch.dtype, *, scori
                                                    n_group, topk_group)
 
 
+@functools.lru_cache(maxsize=None)  # (asked on every forward of an "auto" layer)
 def rows_unsupported(hidden: int, dtype: torch.dtype, num_local_experts: int,
                      top_k: int) -> str | None:
     """Why `dispatch` / `combine` refuse rows of `hidden` elements of `dtype` for
