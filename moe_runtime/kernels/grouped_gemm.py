@@ -63,6 +63,16 @@ from . import _log_once
 # dense, weights in L2) 298.9 + 158.2 us; cuBLAS bmm of the balanced [128, 256, H] problem
 # 329.4 + 188.2; torch._grouped_mm balanced 366.9 + 214.5. What separates quack's varlen GEMM
 # from the dense one is reading 128 experts' weights (805 + 403 MB) while computing.
+# The rest of quack's own SM90 tuning space on the same problem (bench_out diagnostic cfg.py,
+# 2026-12-01, random routing, four interleaved rounds, best, outputs bit-identical; this run's
+# clocks were lower than pad.py's): gate/up 128x192 ping-pong 1x2 (kept) 463.8 us against
+# 2x1 479.9, 128x160 ping-pong 483.0, 128x256 cooperative 1x2 / 2x1 471.1 / 505.6, 128x224
+# cooperative 541.4; down 128x128 ping-pong 1x2 (kept) 258.7 against 2x1 292.2, 128x256
+# cooperative 1x2 / 2x1 277.0 / 298.8, 128x208 ping-pong 263.5. N-major weights ([E, K, N]
+# stored) 488.0 / 266.8 (quack's concat [gate; up] layout does not apply to them). cuBLAS runs
+# the balanced bmm (347.8 + 200.6 in this run) with nvjet_sm90_tst_256x128_64x4_1x2 (256-row
+# cooperative tiles): one tile per expert, each weight tile read by one CTA. Under random
+# routing (r = 256 +- 16) 256-row tiles would give half the experts a second, nearly empty tile.
 # quack's gather_A (A_idx: the gate/up GEMM reads x's rows through a slot -> token index, so
 # the dispatch would not copy rows) loads A with cp.async on sm_90 and needs cluster_n = 1; on
 # the H200 (graph replay, best of three interleaved rounds, same outputs bit for bit) it was
