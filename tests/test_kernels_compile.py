@@ -81,7 +81,7 @@ FORBID_KIND = {"dispatch_decode": [r"atom\.global", r"red\.global", r"ld\.acquir
 def _route_specs():
     out = []
     for E, k in EK:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in DTYPES:  # the router logits' dtype
             n_group = 8 if E % 8 == 0 and E >= 64 else 4
             for warps in sorted(set(ROUTE_WARPS.values())):
                 for counts, kind in ((True, "route"), (False, "route_nocounts")):
@@ -299,9 +299,9 @@ def test_spec_grid_covers_the_issue_grid():
     assert len(comb) == len(ARCHS) * len(DTYPES) * len(HIDDEN) * (
         len(ks) * len(MODES) + len([k for k in ks if k >= COMBINE_NARROW_MIN_K]))
     routes = [g for k, g in specs_for("sm_90a", "bfloat16") if k.startswith("route")]
-    assert {(g[1], g[2], g[3], g[8], g[9]) for g in routes} == {
-        (E, k, s, c, w) for E, k in EK for s in (False, True) for c in (False, True)
-        for w in ROUTE_WARPS.values()}
+    assert {(g[0], g[1], g[2], g[3], g[8], g[9]) for g in routes} == {
+        (d, E, k, s, c, w) for d in DTYPES for E, k in EK for s in (False, True)
+        for c in (False, True) for w in ROUTE_WARPS.values()}
     from moe_runtime.kernels import cute_compile as cc
     assert DECODE_SHAPES == cc.DISPATCH_DECODE_SHAPES
     # each decode block shape ranks whole 32-item chunks per warp up to its item cap

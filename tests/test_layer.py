@@ -1,4 +1,5 @@
 """MoEConfig, Router, Experts, local topology and MoELayer on the CPU (reference backend)."""
+import logging
 import pytest
 import torch
 import torch.nn.functional as F
@@ -378,6 +379,29 @@ def test_auto_takes_the_reference_where_the_cute_kernels_refuse_the_shapes(monke
         layer = MoELayer(MoEConfig(hidden_size=hidden, num_experts=4, top_k=2,  # capture)
                                    moe_intermediate_size=8), device="meta")
         assert layer.host_sync_free(cuda) == graphs
+
+
+def test_auto_without_cutedsl_on_cuda_says_so_once(monkeypatch, caplog):
+    """backend "auto" on CUDA without nvidia-cutlass-dsl: the reference kernels, and one warning
+    naming the install (never silently, never once per call); CPU devices warn nothing."""
+    from moe_runtime import kernels
+    monkeypatch.setattr(kernels, "cute_available", lambda: False)
+    kernels._log_once.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="moe_runtime"):
+            assert kernels.resolve_backend("auto", torch.device("cpu")) == "reference"
+            assert not caplog.records
+            for _ in range(3):
+                assert kernels.resolve_backend("auto", torch.device("cuda")) == "reference"
+                assert LocalTopology(8).resolved_backend(torch.device("cuda", 0), 16,
+                                                         torch.bfloat16, 2) == "reference"
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "nvidia-cutlass-dsl is not importable" in said[0] \
+            and "moe_runtime[gpu]" in said[0], said
+        with pytest.raises(ValueError, match="needs a CUDA device and nvidia-cutlass-dsl"):
+            kernels.resolve_backend("cute", torch.device("cuda"))
+    finally:
+        kernels._log_once.cache_clear()
 
 
 def test_torch_compile_fp32_on_cpu():

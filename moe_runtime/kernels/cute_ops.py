@@ -570,9 +570,11 @@ def _one_expert_offsets(index: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- test hook
 def launch_barrier_probe(device: torch.device, grid: int, absent_block: int, rounds: int,
-                         max_polls: int) -> None:
+                         max_polls: int, ws: torch.Tensor | None = None) -> None:
     """Test hook: `rounds` grid barriers over `grid` cooperative blocks, block `absent_block`
-    (-1: none) never arriving. Uses its own zeroed barrier word; errors surface through
+    (-1: none) never arriving, on the barrier word ws[0] (int32 [4] on `device`; None: a new
+    zeroed one; pass the same one to check its reuse across launches). Errors surface through
     check_errors() as "grid barrier probe timed out ..."."""
-    ws = torch.zeros(4, dtype=torch.int32, device=device)
+    if ws is None:
+        ws = torch.zeros(4, dtype=torch.int32, device=device)
     cc.barrier_probe_fn()(ws, absent_block, rounds, grid, error_flags().device_addr, max_polls)

@@ -382,6 +382,23 @@ def test_grid_barrier_timeout_raises_naming_the_step(ops):
     check_dispatch(x, ids, out, expert_start=0, num_local_experts=16)
 
 
+def test_grid_barrier_word_is_reused_across_launches_without_a_memset(ops):
+    """One barrier word for 1000 launches of 1..132 blocks and 1..4 barriers each (odd counts
+    leave bit 31 set for the next launch): no timeout, and the word ends with its low bits zero
+    and bit 31 equal to the parity of all the barriers passed."""
+    dev = torch.device(DEV)
+    ws = torch.zeros(4, dtype=torch.int32, device=DEV)
+    total = 0
+    for i in range(1000):
+        grid, rounds = 1 + (i * 37) % 132, 1 + i % 4
+        ops.launch_barrier_probe(dev, grid=grid, absent_block=-1, rounds=rounds,
+                                 max_polls=1 << 22, ws=ws)
+        total += rounds
+    ops.check_errors()
+    word = int(ws[0]) & 0xFFFFFFFF
+    assert word & 0x7FFFFFFF == 0 and word >> 31 == total % 2, (hex(word), total)
+
+
 def test_boundary_validation(ops):
     x = torch.randn(4, 256, device=DEV).to(torch.bfloat16)
     ids = rand_ids(4, 8, 2)
@@ -470,7 +487,7 @@ ROUTERS = [
 
 
 @pytest.mark.parametrize("cfg", ROUTERS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [0, 1, 300, 777, 5000])  # both launch shapes (ROUTE_DECODE_MAX_TOKENS)
 @pytest.mark.parametrize("with_counts", [True, False])
 def test_route_matches_reference(ops, cfg, dtype, T, with_counts):

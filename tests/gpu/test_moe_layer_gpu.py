@@ -1,9 +1,9 @@
 """MoELayer on CUDA (local topology, `cute` backend, bf16): accuracy against a float32 reference,
 CUDA-graph replay against eager, no host synchronization in forward, and swapped HF models.
 
-Shapes: Qwen3-30B-A3B as released; DeepSeek-V3 with its routing structure (E 256, k 8, sigmoid,
-8 groups / top-4 groups, scaling 2.5, correction bias, 1 shared expert of I 2048) but the routed
-experts' I shrunk from 2048 to 256; Mixtral with I shrunk from 14336 to 2048 (memory and time).
+Shapes: one MoE layer of Qwen3-30B-A3B, DeepSeek-V3 (E 256, k 8, sigmoid, 8 groups / top-4
+groups, scaling 2.5, correction bias, 1 shared expert) and Mixtral-8x7B as released (the
+DeepSeek-V3 layer holds 22.5 GB of bf16 experts, its float32 reference copy 45 GB).
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ pytestmark = pytest.mark.gpu
 
 FAMILIES = {
     "qwen3_30b_a3b": dict(hidden_size=2048, num_experts=128, top_k=8, moe_intermediate_size=768),
-    "deepseek_v3": dict(hidden_size=7168, num_experts=256, top_k=8, moe_intermediate_size=256,
+    "deepseek_v3": dict(hidden_size=7168, num_experts=256, top_k=8, moe_intermediate_size=2048,
                         scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5,
                         use_correction_bias=True, shared_expert_intermediate_size=2048,
                         router_logits_fp32=True),
-    "mixtral": dict(hidden_size=4096, num_experts=8, top_k=2, moe_intermediate_size=2048),
+    "mixtral": dict(hidden_size=4096, num_experts=8, top_k=2, moe_intermediate_size=14336),
 }
 TOKENS = (1, 7, 256, 4096)
 DEV = torch.device("cuda")
@@ -54,14 +54,17 @@ def tokens(layer: MoELayer, T: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(T, layer.config.hidden_size, generator=g, device=DEV).to(layer.config.dtype)
 
 
-def reference_fp32(layer: MoELayer, x: torch.Tensor):
-    """(topk_ids, y) of the torch reference in float32 on the layer's own router logits."""
+def reference_fp32(layer: MoELayer, x: torch.Tensor, routing=None):
+    """(topk_ids, y) of the torch reference in float32 on the layer's own router logits, or on
+    `routing` = (ids, weights) when given."""
     c = layer.config
-    backend, layer.router.backend = layer.router.backend, "reference"
-    try:
-        ids, w = layer.router(x)
-    finally:
-        layer.router.backend = backend
+    if routing is None:
+        backend, layer.router.backend = layer.router.backend, "reference"
+        try:
+            routing = layer.router(x)
+        finally:
+            layer.router.backend = backend
+    ids, w = routing
     xf = x.float()
     ex = layer.experts
     experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size,
@@ -174,6 +177,23 @@ def test_forward_does_not_sync(layer, T):
     torch.cuda.current_stream().wait_stream(s)
 
 
+@torch.inference_mode()
+def test_forward_on_torch_grouped_mm_does_not_sync(layer, monkeypatch):
+    """Prefill rows through torch._grouped_mm with the device offsets (the experts' path where
+    quack is not installed) synchronize with the host neither."""
+    monkeypatch.setattr(Experts, "_quack", lambda self, device, dtype: False)
+    x = tokens(layer, 4096)
+    y = layer(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _, ref = reference_fp32(layer, x)
+    assert rel_err(y, ref) <= 2e-2 and torch.equal(again, y)
+
+
 # --- swapped HF transformers models in bf16 ---------------------------------------------------------
 # Whole-model bf16 logits differ from float32 ones by ~3e-2 in HF itself (attention and norms in
 # bf16; measured on these tiny models), and a bf16 router can pick another expert than a float32
@@ -190,10 +210,15 @@ SWAP_FAMILIES = {
                         num_experts_per_tok=4, n_group=4, topk_group=2, kv_lora_rank=64,
                         q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
                         num_key_value_heads=4),
+    "qwen2_moe": dict(intermediate_size=512, moe_intermediate_size=128, num_experts=32,
+                      num_experts_per_tok=4, shared_expert_intermediate_size=256),  # gated shared
+    "olmoe": dict(intermediate_size=128, num_experts=32, num_experts_per_tok=4),
 }
 ALL_EXPERTS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=4),
                "mixtral": dict(num_local_experts=4, num_experts_per_tok=4),
-               "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1)}
+               "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1),
+               "qwen2_moe": dict(num_experts=4, num_experts_per_tok=4),
+               "olmoe": dict(num_experts=4, num_experts_per_tok=4)}
 
 
 def swapped_bf16_model(family: str, **over):
@@ -227,13 +252,20 @@ def test_swapped_layers_match_hf_blocks_in_float32(family):
     for (layer, x, y), block in zip(seen, blocks32):
         ref = block(x.float())
         x2 = x.reshape(-1, x.shape[-1])
-        ours = layer.router(x2)[0].long().sort(dim=1).values
+        routing = layer.router(x2)
+        ours = routing[0].long().sort(dim=1).values
         theirs = block.gate(x2.float())[-1].long().sort(dim=1).values
-        alike = (ours == theirs).all(dim=1)
-        assert float(alike.float().mean()) >= 0.75, f"{int((~alike).sum())} of {len(alike)} tokens"
+        # a bf16 router and a float32 one part only at near-ties: one expert at the k-th place
+        common = torch.stack([torch.isin(o, t).sum() for o, t in zip(ours, theirs)])
+        alike = common == ours.shape[1]
+        assert float(alike.float().mean()) >= 0.75 and int(common.min()) >= ours.shape[1] - 1, \
+            (f"{int((~alike).sum())} of {len(alike)} tokens routed differently", common.tolist())
         y2, ref2 = y.reshape(x2.shape), ref.reshape(x2.shape)
         err = float((y2[alike].float() - ref2[alike]).abs().max() / ref2.abs().max())
         assert err <= 2e-2, err
+        # every token, on the routing this layer chose: the expert work in float32
+        _, mine = reference_fp32(layer, x2, routing)
+        assert rel_err(y2, mine) <= 2e-2, rel_err(y2, mine)
     for l in layers:                                 # 32 tokens: the 32-token graph, no padding
         l.enable_cuda_graphs()
     assert torch.equal(model(ids).logits, out)
