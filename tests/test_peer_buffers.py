@@ -76,6 +76,19 @@ def test_epochs_grow_then_restart_with_flags_zeroed_and_data_kept():
     assert b.take_sig_epochs(2) == 1 and b.epoch == 0  # a barrier restart restarts both
 
 
+def test_buffers_made_under_inference_mode_are_written_outside_it():
+    """Peer buffers built by a first forward under torch.inference_mode() are normal tensors:
+    a later call under no_grad (or a reset) writes their table and heaps."""
+    with torch.inference_mode():
+        b = bufs()
+    assert not b.table.is_inference() and not b.local_heaps[0].is_inference()
+    b.set_args({pb.F_ARG_T: [3, 1, 4, 1]})
+    assert b.table[pb.F_ARG_T].tolist() == [3, 1, 4, 1]
+    b.view(pb.F_AR_IN, 0).fill_(5)
+    b.reset()
+    assert all(h.eq(0).all() for h in b.peer_heaps + b.local_heaps)
+
+
 def test_error_words_raise_naming_rank_phase_peer_then_reset():
     b = bufs()
     b.check_errors("nothing")  # no error: no exception

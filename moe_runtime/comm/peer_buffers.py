@@ -438,15 +438,16 @@ class PeerBuffers:
         self.peer_heaps, self.local_heaps = list(peer_heaps), list(local_heaps)
         self._keepalive = keepalive
         W = spec.world_size
-        tab = torch.zeros(NUM_FIELDS, W, dtype=torch.int64)
-        for f in range(NUM_HEAP_FIELDS):
-            for r in range(W):
-                if f in PEER_FIELDS:
-                    tab[f, r] = peer_addrs[r] + self.layout.offsets[f]
-                elif rank0 <= r < rank0 + self.n_local:
-                    tab[f, r] = self.local_heaps[r - rank0].data_ptr() + self.layout.offsets[f]
-        self._host_table = tab
-        self.table = tab.to(self.device)
+        with torch.inference_mode(False):  # normal tensors: set_args writes them in any mode
+            tab = torch.zeros(NUM_FIELDS, W, dtype=torch.int64)
+            for f in range(NUM_HEAP_FIELDS):
+                for r in range(W):
+                    if f in PEER_FIELDS:
+                        tab[f, r] = peer_addrs[r] + self.layout.offsets[f]
+                    elif rank0 <= r < rank0 + self.n_local:
+                        tab[f, r] = self.local_heaps[r - rank0].data_ptr() + self.layout.offsets[f]
+            self._host_table = tab
+            self.table = tab.to(self.device)
         self.epoch = 0
         self.sig_epoch = 0
         self.broken: str | None = None
@@ -459,8 +460,9 @@ class PeerBuffers:
         """W virtual ranks on one device: every heap is a row of one allocation per kind."""
         lay = HeapLayout.of(spec)
         W = spec.world_size
-        peer = torch.empty(W, lay.peer_bytes, dtype=torch.uint8, device=device)
-        local = torch.empty(W, lay.local_bytes, dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):  # normal tensors: reset() zeroes them in any mode
+            peer = torch.empty(W, lay.peer_bytes, dtype=torch.uint8, device=device)
+            local = torch.empty(W, lay.local_bytes, dtype=torch.uint8, device=device)
         return cls(spec, device, "virtual", 0, list(peer), list(local),
                    [p.data_ptr() for p in peer], keepalive=(peer, local))
 
@@ -496,9 +498,10 @@ class PeerBuffers:
             device = torch.device("cuda", torch.cuda.current_device())
         lay = HeapLayout.of(spec)
 
-        def heaps(empty):  # (local heap, peer heap from `empty`)
-            return (torch.empty(lay.local_bytes, dtype=torch.uint8, device=device),
-                    empty(lay.peer_bytes, dtype=torch.uint8, device=device))
+        def heaps(empty):  # (local heap, peer heap from `empty`; normal tensors, as in virtual)
+            with torch.inference_mode(False):
+                return (torch.empty(lay.local_bytes, dtype=torch.uint8, device=device),
+                        empty(lay.peer_bytes, dtype=torch.uint8, device=device))
 
         with _on_device(device):
             if transport in ("symm_mem", "auto"):

@@ -104,11 +104,13 @@ def check_errors() -> None:
 
 
 def workspace(device: torch.device, name: str, words: int) -> torch.Tensor:
-    """Zero-initialized int32 [words] for (device, current stream, name), created once."""
+    """Zero-initialized int32 [words] for (device, current stream, name), created once (a normal
+    tensor even when first asked for under torch.inference_mode(): `ErrorFlags.clear` zeroes it
+    in whatever mode the error is raised)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = (device.index, stream, name, words)
     ws = _workspaces.get(key)
     if ws is None:
-        with _lock:
+        with _lock, torch.inference_mode(False):
             ws = _workspaces.setdefault(key, torch.zeros(words, dtype=torch.int32, device=device))
     return ws

@@ -399,6 +399,27 @@ def test_grid_barrier_word_is_reused_across_launches_without_a_memset(ops):
     assert word & 0x7FFFFFFF == 0 and word >> 31 == total % 2, (hex(word), total)
 
 
+def test_workspaces_made_under_inference_mode_are_cleared_outside_it(ops):
+    """A workspace first asked for under torch.inference_mode() (a new stream's prefill
+    dispatch) is a normal tensor: a device error raised outside inference mode zeroes it
+    (ErrorFlags.clear) and surfaces as DeviceSyncError, not an inference-tensor RuntimeError."""
+    from moe_runtime.sync import DeviceSyncError
+
+    dev = torch.device(DEV)
+    x = torch.randn(300, 256, device=DEV).to(torch.bfloat16)
+    ids = rand_ids(300, 16, 2)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(s):
+        ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=16, mode="prefill")
+    torch.cuda.synchronize()
+    ops.launch_barrier_probe(dev, grid=8, absent_block=3, rounds=1, max_polls=20000)
+    with pytest.raises(DeviceSyncError, match="grid barrier probe timed out"):
+        ops.check_errors()
+    out = ops.dispatch_in_mode(x, ids, expert_start=0, num_local_experts=16, mode="prefill")
+    check_dispatch(x, ids, out, expert_start=0, num_local_experts=16)
+
+
 def test_boundary_validation(ops):
     x = torch.randn(4, 256, device=DEV).to(torch.bfloat16)
     ids = rand_ids(4, 8, 2)
