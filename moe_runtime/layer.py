@@ -11,7 +11,7 @@ from torch import nn
 from .config import _DTYPES, MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
 from .experts import Experts, SharedExpert
-from .kernels import _log_once, check_backend_name, differentiable_kernels
+from .kernels import _log_once, autograd_records, check_backend_name, differentiable_kernels
 from .param_checks import check_layer_submodule, note_assignment, structure_version, unwrapped
 from .routing import Router
 from .topologies.base import Topology
@@ -70,12 +70,14 @@ class MoELayer(nn.Module):
     runs the torch reference kernels, which are differentiable, whatever `backend` "auto"
     would pick (logged once on CUDA); with backend "cute" it raises ValueError instead, and
     inside a CUDA-graph capture RuntimeError. Run inference under torch.inference_mode() or
-    torch.no_grad() to get the CuTeDSL kernels. Under torch.compile the kernels are chosen as
-    in inference (the switch is eager-only: dynamo cannot trace it). Compiled training with
-    fullgraph=True works in bf16 (torch._grouped_mm); fp32 / fp16 experts run a per-expert loop
-    of data-dependent row slices whose backward inductor cannot generate (torch 2.13: "expected
-    [u5, u6] to have been codegen-ed"): train those with fullgraph=False (a graph break per
-    layer) or another compile backend (e.g. "aot_eager").
+    torch.no_grad() to get the CuTeDSL kernels. Under torch.compile backend "auto" is the torch
+    reference kernels and torch._grouped_mm, in inference and training alike (dynamo cannot
+    trace the CuTeDSL kernels: kernels.resolve_backend); "cute" fails fullgraph=True and
+    otherwise runs its kernels eagerly between graph breaks (inference only). Compiled
+    training with fullgraph=True works in bf16 (torch._grouped_mm); fp32 / fp16 experts run a
+    per-expert loop of data-dependent row slices whose backward inductor cannot generate
+    (torch 2.13: "expected [u5, u6] to have been codegen-ed"): train those with
+    fullgraph=False (a graph break per layer) or another compile backend (e.g. "aot_eager").
 
     Attributes:
         module_aliases: {name: submodule path}, other names under which submodules are
@@ -323,7 +325,7 @@ class MoELayer(nn.Module):
 
     def _use_graphs(self, x: torch.Tensor) -> bool:
         g = self.cuda_graphs
-        return (g is not None and not torch.is_grad_enabled() and x.device == g.device
+        return (g is not None and not autograd_records() and x.device == g.device
                 and x.dtype == g.dtype and not torch.is_autocast_enabled(x.device.type)
                 and g.bucket_for(x.shape[0]) is not None
                 and not self._inner_hooks()
@@ -517,8 +519,8 @@ class MoELayer(nn.Module):
             return None
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
-        """Gradients enabled and the input or a parameter requires grad."""
-        return torch.is_grad_enabled() and (
+        """Autograd recording (`autograd_records`) and the input or a parameter requires grad."""
+        return autograd_records() and (
             x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _records_autograd(self, x: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .kernels import get_ops, resolve_backend
+from .kernels import autograd_records, get_ops, resolve_backend
 from .param_checks import CheckedModule
 
 
@@ -75,7 +75,11 @@ class Router(CheckedModule):
             if not value.is_floating_point():
                 raise TypeError(f"Router.e_score_correction_bias must be a floating tensor, got "
                                 f"{value.dtype}")
-            value = value.float()  # (e.g. load_state_dict(assign=True) of a bf16 state dict)
+            # (e.g. load_state_dict(assign=True) of a bf16 state dict); a normal tensor stays
+            # one when assigned under torch.inference_mode() (later in-place updates, e.g.
+            # DeepSeek-V3's bias update or load_state_dict, happen outside it)
+            with torch.inference_mode(False):
+                value = value.float()
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
@@ -129,7 +133,7 @@ class Router(CheckedModule):
                 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
                 and x.is_contiguous() and w.is_contiguous() and x.device == w.device
                 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and not (autograd_records() and (x.requires_grad or w.requires_grad))
                 and not torch.compiler.is_compiling()
                 and self.resolved_backend(x.device, x.dtype) == "cute")
 

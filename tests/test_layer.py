@@ -404,6 +404,29 @@ def test_auto_without_cutedsl_on_cuda_says_so_once(monkeypatch, caplog):
         kernels._log_once.cache_clear()
 
 
+def test_compiled_auto_takes_the_reference_kernels_and_cute_says_why_not(monkeypatch):
+    """While torch.compile traces, "auto" on CUDA with CuTeDSL resolves to the reference (dynamo
+    cannot trace the CuTeDSL kernels: compiled training on the H200 lost the routed experts'
+    gradients, fullgraph=True failed); an explicit "cute" fails fullgraph=True naming the way
+    out and, without fullgraph, runs eagerly (dynamo's fallback). No GPU needed: host logic."""
+    from moe_runtime import kernels
+    monkeypatch.setattr(kernels, "cute_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert kernels.resolve_backend("auto", cuda) == "cute"  # (eager)
+
+    def pick(backend):
+        return lambda x: x + len(kernels.resolve_backend(backend, cuda))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(pick("auto"), fullgraph=True, backend="eager")(
+        torch.zeros(2)), torch.full((2,), float(len("reference"))))
+    with pytest.raises(Exception, match="torch.compile cannot trace") as err:
+        torch.compile(pick("cute"), fullgraph=True, backend="eager")(torch.zeros(2))
+    assert "backend 'auto'" in str(err.value)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(pick("cute"), backend="eager")(torch.zeros(2)),
+                       torch.full((2,), float(len("cute"))))
+
+
 def test_torch_compile_fp32_on_cpu():
     """torch.compile's _grouped_mm lowering takes bf16 only: fp32 layers loop under compile."""
     torch._dynamo.reset()
@@ -665,6 +688,13 @@ def test_an_assigned_correction_bias_is_kept_fp32():
     assert layer.dtype == torch.bfloat16 and layer(torch.randn(3, 16).bfloat16()).dtype == torch.bfloat16
     with pytest.raises(TypeError, match="e_score_correction_bias must be a floating tensor"):
         layer.router.e_score_correction_bias = torch.zeros(8, dtype=torch.int64)
+    with torch.inference_mode():  # (a normal tensor converted there stays a normal tensor)
+        layer.load_state_dict({k: v.bfloat16() for k, v in layer.state_dict().items()},
+                              assign=True)
+    assert not layer.router.e_score_correction_bias.is_inference()
+    layer.load_state_dict(layer.state_dict())  # (in place: refused for an inference tensor)
+    with torch.no_grad():
+        layer.router.e_score_correction_bias.add_(1e-3)
 
 
 def test_a_cast_keeps_the_correction_bias_in_fp32():

@@ -130,6 +130,12 @@ def test_eager_fallback_sizes_grad_mode_and_empty():
         x = torch.randn(2, 32)
         close(layer(x), eager(layer, x))
     assert log == [2]
+    with torch.inference_mode(), torch.enable_grad():  # nothing recorded: graphs, no reference
+        x = torch.randn(4, 32)                         # switch (it was taken for autograd)
+        y = layer(x)
+        assert y.grad_fn is None and not layer._wants_grad(x)
+        close(y, eager(layer, x))
+    assert log == [2, 4]
 
 
 def test_nd_input_and_copy_output():

@@ -67,6 +67,18 @@ def test_local_batch_greedy_equals_hf_generate(ckpts, arch):
     assert out.prefill_tokens == sum(len(p) for p in encode(d, PROMPTS))
 
 
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
+def test_a_model_cast_after_loading_caches_in_its_new_dtype(ckpts, arch):
+    """`.to(torch.bfloat16)` after load_model: the KV cache follows the weights (it took the
+    checkpoint's dtype, and attention failed on bf16 queries against fp32 keys)."""
+    d = ckpts[arch]
+    model = load_model(d, Parallel(), progress=False).to(torch.bfloat16)
+    assert model.new_cache(1, 8).k[0].dtype == torch.bfloat16
+    out = run_requests(model, encode(d, PROMPTS[:2]), range(2),
+                       SamplingParams(max_new_tokens=4), stop_ids=[])
+    assert out.finish_reasons == ["length"] * 2 and all(len(t) == 4 for t in out.token_ids)
+
+
 def test_stop_token_ends_a_request_early_like_hf_eos(ckpts):
     d = ckpts["qwen3-moe"]
     ref = hf_greedy(d, PROMPTS, NEW_TOKENS)

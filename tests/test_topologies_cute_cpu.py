@@ -165,6 +165,24 @@ def test_buffers_sized_by_the_first_call_and_later_calls_checked_before_launch(c
 
 
 @pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])
+def test_a_deep_copy_shares_the_peer_buffers(cute_on_cpu, topo):
+    """copy.deepcopy of a topology holding peer buffers (e.g. of a model): the copy uses the
+    same buffers (a copy of them kept the original's heap addresses in its table) and its
+    calls run on them."""
+    import copy
+    t = make_topology(topo, E, backend="cute", max_tokens_per_rank=16)
+    x, ids, w = batch(5)
+    res = t.dispatch(x, ids, w)
+    t.combine(res.expert_x, res)
+    t2 = copy.deepcopy(t)
+    b = t2.peer_buffers
+    assert b is t.peer_buffers
+    res = t2.dispatch(x, ids, w)
+    assert res.handle["peer_buffers"] is b
+    t2.combine(res.expert_x, res)
+
+
+@pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])
 def test_auto_over_the_token_limit(cute_on_cpu, monkeypatch, topo):
     """Settled on cute, "auto" runs a tp call over max_tokens_per_rank on the reference path
     (same T on every rank); dp_nvlink raises, naming the limit, before any launch."""

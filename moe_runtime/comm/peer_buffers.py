@@ -454,6 +454,12 @@ class PeerBuffers:
         self._last_dispatch = None
         self.reset()
 
+    def __deepcopy__(self, memo) -> "PeerBuffers":
+        """The buffers themselves: a deep copy of a topology shares them, as topologies made
+        on the same group do (a copy of the heaps kept the original's addresses in its table:
+        its kernels wrote the original's heaps while it read its own)."""
+        return self
+
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def virtual(cls, spec: PeerSpec, device="cuda") -> "PeerBuffers":

@@ -127,8 +127,9 @@ class DecodeGraph:
             self.graph = self.logits = None  # (its memory goes back before the next capture)
             self.kv_len = min(bucket, self.cache.max_len)
             # The first step of a bucket runs eagerly on a side stream (kernels compiled,
-            # workspaces allocated: nothing may do that inside a capture), then is captured;
-            # replaying it writes the same cache entries again.
+            # workspaces allocated: nothing may do that inside a capture), then is captured on
+            # that stream (sync.host.workspace is per stream: the capture finds the eager
+            # run's); replaying it writes the same cache entries again.
             side = torch.cuda.Stream(self.ids.device)
             side.wait_stream(torch.cuda.current_stream(self.ids.device))
             with torch.cuda.stream(side):
@@ -138,7 +139,7 @@ class DecodeGraph:
             # (ranks: NCCL's watchdog thread queries events while this thread captures)
             mode = "thread_local" if self.ranks > 1 else "global"
             try:
-                with torch.cuda.graph(graph, capture_error_mode=mode):
+                with torch.cuda.graph(graph, stream=side, capture_error_mode=mode):
                     self.logits = self._step()
             except Exception as e:
                 raise RuntimeError(f"capturing the decode step in a CUDA graph failed ({e}); "

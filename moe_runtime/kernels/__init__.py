@@ -24,6 +24,12 @@ BACKENDS = ("reference", "cute")
 _DIFFERENTIABLE = contextvars.ContextVar("moe_runtime_differentiable", default=False)
 
 
+def autograd_records() -> bool:
+    """Whether autograd records the ops run now: grad mode on, outside torch.inference_mode()
+    (inside it nothing is recorded, even under torch.enable_grad())."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
 @contextlib.contextmanager
 def differentiable_kernels():
     """Within this context `resolve_backend` picks the torch reference kernels, which autograd
@@ -60,7 +66,14 @@ def resolve_backend(backend: str, device: torch.device,
     """Pick the kernel backend: "reference", "cute", or "auto" (cute on CUDA when importable and
     the CuTeDSL kernels take the call's shapes).
 
-    Inside `differentiable_kernels()` the answer is always "reference" ("cute" raises).
+    Inside `differentiable_kernels()` the answer is always "reference" ("cute" raises). While
+    torch.compile traces, "auto" is "reference" too, for inference and training alike: dynamo
+    cannot trace the CuTeDSL kernels (each would break the graph, fullgraph=True failed, and
+    autograd recorded nothing through them: a compiled training step on CUDA lost the routed
+    experts' and the router's gradients), while the reference kernels are sync-free torch ops
+    that it traces and differentiates. "cute" raises while dynamo traces: fullgraph=True fails
+    with this message, otherwise dynamo runs that code eagerly (the CuTeDSL kernels between
+    graph breaks, inference only).
 
     Args:
         unsupported: for "auto", asked only where cute would be picked: why the CuTeDSL kernels
@@ -70,11 +83,18 @@ def resolve_backend(backend: str, device: torch.device,
 
     Raises:
         ValueError: unknown backend name, "cute" on a non-CUDA device / without CuTeDSL, or
-            "cute" inside `differentiable_kernels()`.
+            "cute" inside `differentiable_kernels()` or while torch.compile traces.
     """
     check_backend_name(backend)
     device = torch.device(device)
-    if not torch.compiler.is_compiling() and _DIFFERENTIABLE.get():  # (dynamo cannot trace .get)
+    if torch.compiler.is_compiling():
+        if backend == "cute":
+            raise ValueError(
+                "backend 'cute' runs the CuTeDSL kernels, which torch.compile cannot trace: "
+                "compile a layer built with backend 'auto' (torch kernels inside the compiled "
+                "graph) or call the 'cute' layer uncompiled (enable_cuda_graphs() captures it)")
+        return "reference"
+    if _DIFFERENTIABLE.get():
         if backend == "cute":
             raise ValueError(
                 "backend 'cute' is inference-only (the CuTeDSL kernels have no backward) but "

@@ -459,14 +459,16 @@ class MoECausalLM(nn.Module):
         """An empty engine.kv_cache.KVCache for `batch` sequences of up to max_len positions,
         laid out as this rank's attention reads it: keys and values [head_dim] per kv head; for
         MLA one latent head of [kv_lora + qk_rope] whose first kv_lora dims are the values
-        (LatentAttention)."""
+        (LatentAttention); in the dtype of the embeddings (the activations': spec.dtype unless
+        the model was cast since)."""
         from ..engine.kv_cache import KVCache
         s, m = self.spec, self.spec.mla
+        dt = self.embed_tokens.weight.dtype
         if m is not None:
             return KVCache(s.num_layers, batch, 1, max_len, m.kv_lora_rank + m.qk_rope_head_dim,
-                           dtype=s.dtype, device=device, values_in_keys=m.kv_lora_rank)
+                           dtype=dt, device=device, values_in_keys=m.kv_lora_rank)
         return KVCache(s.num_layers, batch, self.shard.kv_heads, max_len, s.head_dim,
-                       dtype=s.dtype, device=device)
+                       dtype=dt, device=device)
 
     def init_buffers(self) -> None:
         """Compute the RoPE frequencies on the parameters' device (after loading)."""
