@@ -325,7 +325,8 @@ class MoELayer(nn.Module):
 
     def _use_graphs(self, x: torch.Tensor) -> bool:
         g = self.cuda_graphs
-        return (g is not None and not autograd_records() and x.device == g.device
+        return (g is not None and not torch.compiler.is_compiling()  # (traced: compile's graph)
+                and not autograd_records() and x.device == g.device
                 and x.dtype == g.dtype and not torch.is_autocast_enabled(x.device.type)
                 and g.bucket_for(x.shape[0]) is not None
                 and not self._inner_hooks()

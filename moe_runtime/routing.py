@@ -128,13 +128,13 @@ class Router(CheckedModule):
         device with the cute backend, nothing for autograd to record, not under torch.compile
         (anything else takes F.linear, which accepts it)."""
         w = self.weight
-        return (x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
+        return (not torch.compiler.is_compiling()  # (first: dynamo cannot trace data_ptr())
+                and x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
                 and w.numel() <= ROUTER_GEMV_MAX_WEIGHTS and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
                 and x.is_contiguous() and w.is_contiguous() and x.device == w.device
                 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
                 and not (autograd_records() and (x.requires_grad or w.requires_grad))
-                and not torch.compiler.is_compiling()
                 and self.resolved_backend(x.device, x.dtype) == "cute")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -360,3 +360,17 @@ def test_invalidate_drops_the_capture_stream():
     g._stream = "a stream of the old device"
     g.invalidate()
     assert g._stream is None and g.captured == ()
+
+
+def test_compiled_calls_trace_the_kernels_not_the_graphs():
+    """Under torch.compile a layer with graphs enabled runs its kernels inside the compiled
+    graph: nothing is captured or replayed while dynamo traces."""
+    layer = make_layer()
+    log = []
+    layer.enable_cuda_graphs(buckets=(1, 2, 4), capture_fn=address_bound_capture(layer, log))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        x = torch.randn(2, 32)
+        close(compiled(x), eager(layer, x))
+    assert log == []
