@@ -506,6 +506,31 @@ def test_router_logits_and_aux_loss(family, hooked_before_swap):
     assert plain.router_logits is None
 
 
+def test_a_swapped_model_compiles_whole_with_router_logits():
+    """torch.compile(fullgraph=True) of a whole swapped model (the layers' hooks read
+    transformers' output recording, traceable inside the model's compiled forward): the eager
+    swapped model's loss, router logits and gradients."""
+    model = tiny_model("qwen2_moe", norm_topk_prob=True).train()
+    swap_moe_layers(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    (ref, ref_g), (out, out_g) = step(model), step(torch.compile(model, fullgraph=True,
+                                                                    backend="aot_eager"))
+    assert rel_err(out.loss, ref.loss) <= 1e-5 and rel_err(out.aux_loss, ref.aux_loss) <= 1e-5
+    assert len(out.router_logits) == len(ref.router_logits) == 2
+    for a, b in zip(out.router_logits, ref.router_logits):
+        assert rel_err(a, b) <= 1e-5
+    assert ref_g.keys() == out_g.keys() and any("experts" in n for n in ref_g)
+    for n, g in ref_g.items():
+        assert rel_err(out_g[n], g) <= 1e-4, n
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_router_logits_under_gradient_checkpointing(family):
     """Training with activation checkpointing (transformers' default, non-reentrant) and
