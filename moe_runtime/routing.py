@@ -78,7 +78,7 @@ class Router(CheckedModule):
             # (e.g. load_state_dict(assign=True) of a bf16 state dict); a normal tensor stays
             # one when assigned under torch.inference_mode() (later in-place updates, e.g.
             # DeepSeek-V3's bias update or load_state_dict, happen outside it)
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), torch.no_grad():  # (the first enables grad mode)
                 value = value.float()
         super().__setattr__(name, value)
 

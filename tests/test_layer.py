@@ -427,6 +427,18 @@ def test_compiled_auto_takes_the_reference_kernels_and_cute_says_why_not(monkeyp
                        torch.full((2,), float(len("cute"))))
 
 
+def test_autograd_records_traces_under_torch_compile():
+    """kernels.autograd_records (the layer's grad-mode test, reached by the multi-rank layers
+    under compile) traces in one graph: dynamo cannot trace torch.is_inference_mode_enabled."""
+    from moe_runtime.kernels import autograd_records
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + 1 if autograd_records() else x - 1, fullgraph=True,
+                      backend="eager")
+    with torch.no_grad():
+        assert torch.equal(f(torch.zeros(1)), -torch.ones(1))
+    assert torch.equal(f(torch.zeros(1)), torch.ones(1))
+
+
 def test_torch_compile_fp32_on_cpu():
     """torch.compile's _grouped_mm lowering takes bf16 only: fp32 layers loop under compile."""
     torch._dynamo.reset()
@@ -695,6 +707,9 @@ def test_an_assigned_correction_bias_is_kept_fp32():
     layer.load_state_dict(layer.state_dict())  # (in place: refused for an inference tensor)
     with torch.no_grad():
         layer.router.e_score_correction_bias.add_(1e-3)
+        layer.router.e_score_correction_bias = torch.zeros(8, dtype=torch.bfloat16,
+                                                           requires_grad=True)
+    assert layer.router.e_score_correction_bias.grad_fn is None  # (as assigned: no_grad kept)
 
 
 def test_a_cast_keeps_the_correction_bias_in_fp32():

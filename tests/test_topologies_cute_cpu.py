@@ -168,8 +168,10 @@ def test_buffers_sized_by_the_first_call_and_later_calls_checked_before_launch(c
 def test_a_deep_copy_shares_the_peer_buffers(cute_on_cpu, topo):
     """copy.deepcopy of a topology holding peer buffers (e.g. of a model): the copy uses the
     same buffers (a copy of them kept the original's heap addresses in its table) and its
-    calls run on them."""
+    calls run on them. Pickling it is refused (the same stale table), before any use it works."""
     import copy
+    import pickle
+    assert pickle.loads(pickle.dumps(make_topology(topo, E, backend="cute"))).peer_buffers is None
     t = make_topology(topo, E, backend="cute", max_tokens_per_rank=16)
     x, ids, w = batch(5)
     res = t.dispatch(x, ids, w)
@@ -180,6 +182,8 @@ def test_a_deep_copy_shares_the_peer_buffers(cute_on_cpu, topo):
     res = t2.dispatch(x, ids, w)
     assert res.handle["peer_buffers"] is b
     t2.combine(res.expert_x, res)
+    with pytest.raises(TypeError, match="PeerBuffers cannot be pickled"):
+        pickle.dumps(t2)
 
 
 @pytest.mark.parametrize("topo", ["tp", "dp_nvlink"])

@@ -460,6 +460,13 @@ class PeerBuffers:
         its kernels wrote the original's heaps while it read its own)."""
         return self
 
+    def __reduce__(self):
+        """Refused (TypeError): a copy made by pickle would hold new heaps and the original's
+        addresses, or addresses of another process."""
+        raise TypeError("PeerBuffers cannot be pickled: their address table points at heaps "
+                        "registered with the peer ranks (copy.deepcopy shares them; pickle a "
+                        "model before its first call on peer buffers)")
+
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def virtual(cls, spec: PeerSpec, device="cuda") -> "PeerBuffers":

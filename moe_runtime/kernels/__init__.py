@@ -26,7 +26,10 @@ _DIFFERENTIABLE = contextvars.ContextVar("moe_runtime_differentiable", default=F
 
 def autograd_records() -> bool:
     """Whether autograd records the ops run now: grad mode on, outside torch.inference_mode()
-    (inside it nothing is recorded, even under torch.enable_grad())."""
+    (inside it nothing is recorded, even under torch.enable_grad()). While torch.compile
+    traces, grad mode alone (dynamo cannot trace torch.is_inference_mode_enabled)."""
+    if torch.compiler.is_compiling():
+        return torch.is_grad_enabled()
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
@@ -67,13 +70,15 @@ def resolve_backend(backend: str, device: torch.device,
     the CuTeDSL kernels take the call's shapes).
 
     Inside `differentiable_kernels()` the answer is always "reference" ("cute" raises). While
-    torch.compile traces, "auto" is "reference" too, for inference and training alike: dynamo
-    cannot trace the CuTeDSL kernels (each would break the graph, fullgraph=True failed, and
-    autograd recorded nothing through them: a compiled training step on CUDA lost the routed
-    experts' and the router's gradients), while the reference kernels are sync-free torch ops
-    that it traces and differentiates. "cute" raises while dynamo traces: fullgraph=True fails
-    with this message, otherwise dynamo runs that code eagerly (the CuTeDSL kernels between
-    graph breaks, inference only).
+    torch.compile traces (the callers: the router, the experts and the `local` topology; the
+    multi-rank topologies pick their kernels themselves and are not traceable), "auto" is
+    "reference" too, for inference and training alike: dynamo cannot trace the CuTeDSL kernels
+    (each would break the graph, fullgraph=True failed, and autograd recorded nothing through
+    them: a compiled training step on CUDA lost the routed experts' and the router's
+    gradients), while the reference kernels are sync-free torch ops that it traces and
+    differentiates. "cute" raises while dynamo traces: fullgraph=True fails with this message,
+    otherwise dynamo runs that code eagerly (the CuTeDSL kernels between graph breaks,
+    inference only).
 
     Args:
         unsupported: for "auto", asked only where cute would be picked: why the CuTeDSL kernels
