@@ -89,6 +89,7 @@ Differences from the HF module, by design:
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, replace
 
@@ -452,6 +453,7 @@ class _ReportHFNames:
         self.loading.foreign = []
 
 
+@functools.lru_cache(maxsize=None)
 def _output_collector():
     """transformers' context variable of the outputs being recorded, or None where it is absent."""
     try:
@@ -463,7 +465,8 @@ def _output_collector():
 
 def _collected() -> dict | None:
     """transformers' outputs being recorded now, when they include "router_logits"."""
-    collected = _output_collector().get()
+    collector = _output_collector()
+    collected = None if collector is None else collector.get()
     return collected if collected is not None and "router_logits" in collected else None
 
 
@@ -472,7 +475,11 @@ def _keep_router_logits(layer: MoELayer, args: tuple) -> None:
     the logits it computes in this call (Router.kept_logits; MoELayer.forward clears it when the
     call runs CUDA graphs: a capture computes the padded static rows, a replay runs no Python).
     Set on every call."""
-    unwrapped(layer.router).kept_logits = [] if _collected() is not None else None
+    router = unwrapped(layer.router)
+    if _collected() is not None:
+        router.kept_logits = []
+    elif router.kept_logits is not None:
+        router.kept_logits = None
 
 
 def _append_router_logits(layer: MoELayer, args: tuple, kwargs: dict, output) -> None:
@@ -484,7 +491,9 @@ def _append_router_logits(layer: MoELayer, args: tuple, kwargs: dict, output) ->
     graphs run only without it). Both hooks sit on the layer, not its router: hooks on a
     submodule disable the replays."""
     router = unwrapped(layer.router)
-    kept, router.kept_logits = router.kept_logits, None
+    kept = router.kept_logits
+    if kept is not None:
+        router.kept_logits = None
     collected = _collected()
     if collected is not None and output is not None:
         if kept:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .config import _DTYPES, MoEConfig
-from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn, storage_fingerprint
+from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn
 from .experts import Experts, SharedExpert
 from .kernels import _log_once, autograd_records, check_backend_name, differentiable_kernels
 from .param_checks import check_layer_submodule, note_assignment, structure_version, unwrapped
@@ -27,9 +26,10 @@ def _sharded(t: torch.Tensor) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 
 
-def _children_ids(layer: nn.Module, subs: tuple[nn.Module, ...]) -> tuple[int, ...]:
-    """ids of the children of the layer and of its submodules `subs`, in order."""
-    return tuple(id(c) for m in (layer, *subs) for c in m._modules.values())
+def _children(layer: nn.Module, subs: tuple[nn.Module, ...]) -> tuple[tuple, ...]:
+    """The children of the layer and of each of its submodules `subs`, in order (compared by
+    identity: nn.Module has no __eq__)."""
+    return tuple([tuple(m._modules.values()) for m in (layer, *subs)])
 
 
 class MoELayer(nn.Module):
@@ -288,7 +288,7 @@ class MoELayer(nn.Module):
                 "quack-kernels)")
         self.cuda_graphs = BucketedGraphs(
             self._forward_tokens, hidden_size=self.config.hidden_size, dtype=self.dtype,
-            device=device, buckets=buckets, fingerprint=functools.partial(storage_fingerprint, self),
+            device=device, buckets=buckets, fingerprint=self._storage_fingerprint,
             copy_output=copy_output, capture_fn=capture_fn)
         if capture:
             self.cuda_graphs.capture()
@@ -327,14 +327,15 @@ class MoELayer(nn.Module):
                           f"host-sync-free (enable_cuda_graphs explains what is needed)")
         return out
 
-    def _use_graphs(self, x: torch.Tensor) -> bool:
+    def _use_graphs(self, x: torch.Tensor, device: torch.device) -> bool:
+        """Whether this call of rows x [T, H] on `device` (x.device) replays CUDA graphs."""
         g = self.cuda_graphs
         return (g is not None and not torch.compiler.is_compiling()  # (traced: compile's graph)
-                and not autograd_records() and x.device == g.device
-                and x.dtype == g.dtype and not torch.is_autocast_enabled(x.device.type)
+                and not autograd_records() and device == g.device
+                and x.dtype == g.dtype and not torch.is_autocast_enabled(device.type)
                 and g.bucket_for(x.shape[0]) is not None
                 and not self._inner_hooks()
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+                and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
     def _inner_hooks(self) -> bool:
         """Whether a forward hook or pre-hook would run inside forward (registered globally or on
@@ -345,39 +346,47 @@ class MoELayer(nn.Module):
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._tree()[0])
 
-    def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, nn.Module, str, tuple, bool], ...]]:
+    def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, nn.Module, str, tuple, bool], ...],
+                             tuple[tuple[dict, str], ...]]:
         """(submodules, (name, owner module, parameter name, shape, dtype free) of the weights
-        that `_weights_dtype` checks; read live from owner._parameters, so no tensor is held
-        here). The shape is the config's for the router and the routed experts, the one at the
-        walk for the others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
+        that `_weights_dtype` checks, (tensor dict, name) of every parameter and buffer slot in
+        `modules()` order (`_storage_fingerprint`)); read live from the owners' dicts, so no
+        tensor is held here. The shape is the config's for the router and the routed experts,
+        the one at the walk for the others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
         submodule of this package's modules is assigned or the layer converted
         (param_checks.structure_version), or a submodule is set with add_module /
-        register_module (the ids of every module's children); under torch.compile walked
+        register_module (every module's children); under torch.compile walked
         afresh (traced once, guarded by dynamo). A DeepSeek-V3 router may keep its weight in
         fp32 whatever the others' dtype (HF's _keep_in_fp32_modules_strict;
         config.router_logits_fp32)."""
         compiling = torch.compiler.is_compiling()
         seen, tree = self.__dict__.get("_tree_cache", (None, None))
         if compiling or tree is None or seen != (structure_version[0],
-                                                 _children_ids(self, tree[0])):
+                                                 _children(self, tree[0])):
             c, e = self.config, self.topology.num_local_experts
             sized = {"router.weight": (c.num_experts, c.hidden_size),
                      "experts.gate_up_proj": (e, 2 * c.moe_intermediate_size, c.hidden_size),
                      "experts.down_proj": (e, c.hidden_size, c.moe_intermediate_size)}
             named = tuple(self.named_modules())
             subs = tuple(m for _, m in named if m is not self)
-            slots = []
+            slots, tensors = [], []
             for prefix, m in named:
                 for n, w in m._parameters.items():
                     name = f"{prefix}.{n}" if prefix else n
                     if w is not None:
                         slots.append((name, m, n, sized.get(name, tuple(w.shape)),
                                       name == "router.weight" and c.router_logits_fp32))
-            tree = (subs, tuple(slots))
+                tensors += [(d, n) for d in (m._parameters, m._buffers) for n in d]
+            tree = (subs, tuple(slots), tuple(tensors))
             if not compiling:
-                self.__dict__["_tree_cache"] = ((structure_version[0], _children_ids(self, subs)),
+                self.__dict__["_tree_cache"] = ((structure_version[0], _children(self, subs)),
                                                 tree)
         return tree
+
+    def _storage_fingerprint(self) -> tuple[int, ...]:
+        """cuda_graphs.storage_fingerprint of the layer (the same tuple) from the cached walk
+        (`_tree`): ~2 us a call instead of ~8 on the host, paid by every graph replay."""
+        return tuple(t.data_ptr() for d, n in self._tree()[2] if (t := d.get(n)) is not None)
 
     def __setattr__(self, name, value):
         path = self.__dict__.get("module_aliases", {}).get(name)
@@ -435,8 +444,9 @@ class MoELayer(nn.Module):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() == 0 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
-        if hidden_states.device != self.experts.gate_up_proj.device:
-            raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights are on "
+        device = hidden_states.device
+        if device != self.experts.gate_up_proj.device:
+            raise ValueError(f"hidden_states is on {device} but the layer's weights are on "
                              f"{self.experts.gate_up_proj.device}")
         if hidden_states.is_meta:
             raise ValueError("MoELayer forward needs real tensors, got the meta device (routing "
@@ -446,12 +456,13 @@ class MoELayer(nn.Module):
         dtype = self._weights_dtype(fallback=hidden_states.dtype
                                     if hidden_states.dtype in _DTYPES.values() else None)
         if hidden_states.dtype != dtype:
-            if hidden_states.is_floating_point() and torch.is_autocast_enabled(hidden_states.device.type):
+            if hidden_states.is_floating_point() and torch.is_autocast_enabled(device.type):
                 hidden_states = hidden_states.to(dtype)  # (the ops inside autocast as usual)
             else:
                 raise TypeError(f"hidden_states must be {dtype} (the dtype of the layer's "
                                 f"weights), got {hidden_states.dtype}")
-        x = hidden_states.reshape(-1, c.hidden_size)
+        flat = hidden_states.dim() == 2
+        x = hidden_states if flat else hidden_states.reshape(-1, c.hidden_size)
         if not torch.compiler.is_compiling() and self._records_autograd(x):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -465,8 +476,9 @@ class MoELayer(nn.Module):
                           "differentiable torch reference kernels; use torch.inference_mode() "
                           "or torch.no_grad() for the CuTeDSL kernels")
             with differentiable_kernels():
-                return self._forward_tokens(x).view(hidden_states.shape)
-        if self._use_graphs(x):
+                y = self._forward_tokens(x)
+                return y if flat else y.view(hidden_states.shape)
+        if self._use_graphs(x, device):
             router = unwrapped(self.router)
             if router.kept_logits is not None:  # (swap_moe_layers' recording: see Router)
                 router.kept_logits = None
@@ -477,7 +489,7 @@ class MoELayer(nn.Module):
             # the collectives between ranks have no backward: gradients through them would be
             # silently wrong, so the output's backward raises instead
             y = _NoBackward.apply(y, self.topology.name, x, *self.parameters())
-        return y.view(hidden_states.shape)
+        return y if flat else y.view(hidden_states.shape)
 
     def _weights_dtype(self, fallback: Optional[torch.dtype] = None) -> torch.dtype:
         """The dtype forward computes in: the one the layer's weights share (config.dtype, or

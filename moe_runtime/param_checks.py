@@ -35,14 +35,19 @@ class CheckedModule(nn.Module):
         super().__setattr__(name, value)
 
 
+_WRAPPED = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
 def unwrapped(module):
     """The module inside transparent wrappers that forward attribute access to it:
     torch.compile's OptimizedModule (`_orig_mod`), activation checkpointing's CheckpointWrapper
     (`_checkpoint_wrapped_module`), FSDP1 (`_fsdp_wrapped_module`)."""
-    for attr in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"):
-        inner = module.__dict__.get("_modules", {}).get(attr) if isinstance(module, nn.Module) else None
-        if inner is not None:
-            return unwrapped(inner)
+    children = module.__dict__.get("_modules") if isinstance(module, nn.Module) else None
+    if children:
+        for attr in _WRAPPED:
+            inner = children.get(attr)
+            if inner is not None:
+                return unwrapped(inner)
     return module
 
 

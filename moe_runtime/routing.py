@@ -71,6 +71,9 @@ class Router(CheckedModule):
                 self.e_score_correction_bias.zero_()
 
     def __setattr__(self, name, value):
+        if name == "kept_logits":  # (a plain attribute set on every call: skip Module's checks)
+            object.__setattr__(self, name, value)
+            return
         if name == "e_score_correction_bias" and isinstance(value, torch.Tensor):
             if not value.is_floating_point():
                 raise TypeError(f"Router.e_score_correction_bias must be a floating tensor, got "

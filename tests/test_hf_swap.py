@@ -578,6 +578,20 @@ def test_router_logits_recording_leaves_nothing_behind(monkeypatch):
     assert len(out) == 2 and all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
+def test_swapped_layers_run_where_transformers_has_no_output_recording(monkeypatch):
+    """A transformers without the output-recording context variable (utils.output_capturing):
+    the swapped layers' hooks find no collector, keep nothing and the model runs as before."""
+    from moe_runtime import hf_swap
+    model = swap_moe_layers(tiny_model("qwen3_moe", True))
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = model(ids).logits
+        monkeypatch.setattr(hf_swap, "_output_collector", lambda: None)
+        out = model(ids).logits
+    assert torch.equal(out, ref) and layer.router.kept_logits is None
+
+
 def test_router_logits_of_a_replayed_graph_come_from_the_real_rows():
     """A layer that replays a CUDA graph runs no Python inside (its router keeps nothing): the
     recorded logits are then recomputed from the call's real rows (here a CPU stand-in capture

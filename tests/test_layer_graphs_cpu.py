@@ -5,6 +5,8 @@ recomputes the captured output from the static input buffer, and it refuses to r
 layer's weights have moved (a real graph would read freed memory there), so a missing
 invalidation fails these tests.
 """
+import copy
+
 import pytest
 import torch
 
@@ -260,10 +262,39 @@ def test_weight_swap_recaptures():
         assert log == [4, 4, 4, 4]
 
 
+def test_the_cached_fingerprint_follows_every_kind_of_replacement():
+    """The graphs' fingerprint (read from the layer's cached walk) equals the full
+    storage_fingerprint walk after replacements that bypass assignment, so a replay never
+    reads a tensor that moved: `.data =`, a direct dict write of a buffer, register_parameter,
+    add_module of a new shared expert, and a None buffer slot that gets a tensor."""
+    layer = make_layer("sigmoid_groups_shared")
+    fp = layer._storage_fingerprint
+    seen = [fp()]
+    assert seen[-1] == storage_fingerprint(layer)
+
+    def changed():
+        seen.append(fp())
+        assert seen[-1] == storage_fingerprint(layer) and seen[-1] != seen[-2]
+
+    layer.experts.down_proj.data = layer.experts.down_proj.data.clone()
+    changed()
+    bias = layer.router._buffers["e_score_correction_bias"]
+    layer.router._buffers["e_score_correction_bias"] = bias.clone()
+    changed()
+    layer.experts.register_parameter("gate_up_proj",
+                                     torch.nn.Parameter(layer.experts.gate_up_proj.detach().clone()))
+    changed()
+    layer.add_module("shared_expert", copy.deepcopy(layer.shared_expert))
+    changed()
+    layer.router._buffers["e_score_correction_bias"] = None
+    changed()
+    layer.router._buffers["e_score_correction_bias"] = bias
+    changed()
+
+
 def test_a_deep_copy_starts_uncaptured_and_follows_its_own_weights():
     """copy.deepcopy of a layer with graphs: the copy's graphs check the copy's weights (a
     weight replaced on the copy recaptures) and start with none captured."""
-    import copy
     layer = make_layer()
     layer.enable_cuda_graphs(capture_fn=address_bound_capture(layer, []))
     with torch.no_grad():

@@ -112,13 +112,14 @@ def _check(name: str, t, dtypes, ndim: int, device=None) -> None:
         raise TypeError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (same as the first input)")
+    dev = t.device
+    if dev.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got {dev}")
+    if device is not None and dev != device:
+        raise ValueError(f"{name} is on {dev}, expected {device} (same as the first input)")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    if t.numel() and t.data_ptr() % 16:
+    if t.data_ptr() % 16 and t.numel():
         raise ValueError(f"{name} data pointer must be 16-byte aligned, got address "
                          f"{t.data_ptr():#x} (offset {t.data_ptr() % 16})")
 
@@ -230,7 +231,7 @@ def route(
     Raises:
         TypeError / ValueError: inputs outside the above.
     """
-    _check("logits", logits, tuple(_DTYPE_NAMES), 2)
+    _check("logits", logits, _DTYPE_NAMES, 2)
     T, E = logits.shape
     _check_top_k(top_k)
     if scoring not in ("softmax", "sigmoid"):
@@ -313,7 +314,7 @@ def dispatch(
 
 
 def _check_dispatch(x, topk_ids, expert_start, num_local_experts, align) -> tuple[int, int]:
-    _check("x", x, tuple(_DTYPE_NAMES), 2)
+    _check("x", x, _DTYPE_NAMES, 2)
     _check("topk_ids", topk_ids, (torch.int32,), 2, x.device)
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has {x.shape[0]}")
@@ -414,7 +415,7 @@ def combine(expert_y: torch.Tensor, token_slot: torch.Tensor,
 
 
 def _check_combine(expert_y, token_slot, topk_weights) -> tuple[int, int]:
-    _check("expert_y", expert_y, tuple(_DTYPE_NAMES), 2)
+    _check("expert_y", expert_y, _DTYPE_NAMES, 2)
     _check("token_slot", token_slot, (torch.int32,), 2, expert_y.device)
     _check("topk_weights", topk_weights, (torch.float32,), 2, expert_y.device)
     if topk_weights.shape != token_slot.shape:
@@ -519,7 +520,7 @@ def expert_gemv(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Ten
         TypeError / ValueError: dtypes, shapes, devices, contiguity, 16-byte alignment of rows,
             more than MAX_GRID_Y rows.
     """
-    _check("x", x, tuple(_DTYPE_NAMES), 2)
+    _check("x", x, _DTYPE_NAMES, 2)
     _check("expert_offsets", expert_offsets, (torch.int32,), 1, x.device)
     _check("weight", weight, (x.dtype,), 3, x.device)
     E, M, K = weight.shape
