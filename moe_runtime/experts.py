@@ -206,7 +206,7 @@ class Experts(CheckedModule):
         rows: the rows of x expected to be used (default all, x.shape[0]); the GEMV_MAX_ROWS
         rule applies to them (it is about speed only, see GEMV_MAX_ROWS)."""
         if not (x.dtype in (torch.bfloat16, torch.float16) and self._cute(x.device)):
-            return False  # (before any test of the row count: no size guard under torch.compile)
+            return False  # (before any test of the row count: no size guard where no GEMV runs)
         from .kernels.cute_ops import MAX_EXPERTS  # (the GEMV's limit; cutlass is importable)
         rows = x.shape[0] if rows is None else rows
         return (rows <= GEMV_MAX_ROWS and 2 * rows <= 3 * self.gate_up_proj.shape[0]

@@ -106,9 +106,11 @@ class Router(CheckedModule):
 
         def unsupported():
             from .kernels import cute_ops
-            return cute_ops.route_unsupported(c.num_experts, c.top_k, logits_dtype,
-                                              scoring=c.scoring, n_group=c.n_group,
-                                              topk_group=c.topk_group)
+            check = cute_ops.route_unsupported
+            if torch.compiler.is_compiling():  # (dynamo warns about a cache it bypasses)
+                check = check.__wrapped__
+            return check(c.num_experts, c.top_k, logits_dtype, scoring=c.scoring,
+                         n_group=c.n_group, topk_group=c.topk_group)
         return resolve_backend(self.backend, device, unsupported)
 
     def logits_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
@@ -128,15 +130,17 @@ class Router(CheckedModule):
     def _gemv(self, x: torch.Tensor) -> bool:
         """Speed rule (ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS) and the GEMV's needs:
         contiguous, 16-byte aligned 16-bit rows of 16-byte multiples and weight on one CUDA
-        device with the cute backend, nothing for autograd to record, not under torch.compile
-        (anything else takes F.linear, which accepts it)."""
+        device with the cute backend, nothing for autograd to record (anything else takes
+        F.linear, which accepts it). While torch.compile traces, the layout is not tested
+        (dynamo cannot trace data_ptr()): the custom op copies what the GEMV cannot read."""
         w = self.weight
-        return (not torch.compiler.is_compiling()  # (first: dynamo cannot trace data_ptr())
-                and x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
                 and w.numel() <= ROUTER_GEMV_MAX_WEIGHTS and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
-                and x.is_contiguous() and w.is_contiguous() and x.device == w.device
-                and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+                and x.device == w.device
+                and (torch.compiler.is_compiling()
+                     or (x.is_contiguous() and w.is_contiguous()
+                         and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0))
                 and not (autograd_records() and (x.requires_grad or w.requires_grad))
                 and self.resolved_backend(x.device, x.dtype) == "cute")
 

@@ -404,12 +404,15 @@ def test_auto_without_cutedsl_on_cuda_says_so_once(monkeypatch, caplog):
         kernels._log_once.cache_clear()
 
 
-def test_compiled_auto_takes_the_reference_kernels_and_cute_says_why_not(monkeypatch):
-    """While torch.compile traces, "auto" on CUDA with CuTeDSL resolves to the reference (dynamo
-    cannot trace the CuTeDSL kernels: compiled training on the H200 lost the routed experts'
-    gradients, fullgraph=True failed); an explicit "cute" fails fullgraph=True naming the way
-    out and, without fullgraph, runs eagerly (dynamo's fallback). No GPU needed: host logic."""
+def test_compiled_kernels_follow_grad_mode(monkeypatch):
+    """While torch.compile traces with grad mode on, "auto" on CUDA with CuTeDSL resolves to the
+    reference (the CuTeDSL kernels have no backward: traced in, compiled training on the H200
+    lost the routed experts' gradients) and an explicit "cute" fails fullgraph=True naming the
+    way out (without fullgraph, dynamo runs it eagerly); with grad mode off both resolve to
+    "cute", and get_ops("cute") gives the kernels as custom ops (compiled_ops). No GPU needed:
+    host logic."""
     from moe_runtime import kernels
+    from moe_runtime.kernels import compiled_ops
     monkeypatch.setattr(kernels, "cute_available", lambda: True)
     cuda = torch.device("cuda")
     assert kernels.resolve_backend("auto", cuda) == "cute"  # (eager)
@@ -419,12 +422,20 @@ def test_compiled_auto_takes_the_reference_kernels_and_cute_says_why_not(monkeyp
     torch._dynamo.reset()
     assert torch.equal(torch.compile(pick("auto"), fullgraph=True, backend="eager")(
         torch.zeros(2)), torch.full((2,), float(len("reference"))))
-    with pytest.raises(Exception, match="torch.compile cannot trace") as err:
+    with pytest.raises(Exception, match="inference-only") as err:
         torch.compile(pick("cute"), fullgraph=True, backend="eager")(torch.zeros(2))
-    assert "backend 'auto'" in str(err.value)
+    assert "torch.no_grad()" in str(err.value) and "backend 'auto'" in str(err.value)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(pick("cute"), backend="eager")(torch.zeros(2)),
                        torch.full((2,), float(len("cute"))))
+    torch._dynamo.reset()
+    ops = torch.compile(lambda x: x + (kernels.get_ops("cute") is compiled_ops), fullgraph=True,
+                        backend="eager")
+    with torch.no_grad():
+        for backend in ("auto", "cute"):
+            assert torch.equal(torch.compile(pick(backend), fullgraph=True, backend="eager")(
+                torch.zeros(2)), torch.full((2,), float(len("cute"))))
+        assert torch.equal(ops(torch.zeros(1)), torch.ones(1))
 
 
 def test_autograd_records_traces_under_torch_compile():

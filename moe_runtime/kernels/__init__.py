@@ -46,10 +46,12 @@ def differentiable_kernels():
         _DIFFERENTIABLE.reset(token)
 
 
-@functools.lru_cache(maxsize=None)
+_CUTLASS_IMPORTABLE = importlib.util.find_spec("cutlass") is not None  # (not traceable)
+
+
 def cute_available() -> bool:
     """True when nvidia-cutlass-dsl can be imported (the kernels also need a CUDA device)."""
-    return importlib.util.find_spec("cutlass") is not None
+    return _CUTLASS_IMPORTABLE
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,14 +73,11 @@ def resolve_backend(backend: str, device: torch.device,
 
     Inside `differentiable_kernels()` the answer is always "reference" ("cute" raises). While
     torch.compile traces (the callers: the router, the experts and the `local` topology; the
-    multi-rank topologies pick their kernels themselves and are not traceable), "auto" is
-    "reference" too, for inference and training alike: dynamo cannot trace the CuTeDSL kernels
-    (each would break the graph, fullgraph=True failed, and autograd recorded nothing through
-    them: a compiled training step on CUDA lost the routed experts' and the router's
-    gradients), while the reference kernels are sync-free torch ops that it traces and
-    differentiates. "cute" raises while dynamo traces: fullgraph=True fails with this message,
-    otherwise dynamo runs that code eagerly (the CuTeDSL kernels between graph breaks,
-    inference only).
+    multi-rank topologies pick their kernels themselves and are not traceable), grad mode
+    decides: with it on, "auto" is "reference" ("cute" raises), as the CuTeDSL kernels have no
+    backward (the reference kernels are sync-free torch ops that dynamo traces and
+    differentiates); with it off (torch.no_grad() / torch.inference_mode()), the answer is the
+    eager one, and `get_ops("cute")` gives the kernels as custom ops (compiled_ops.py).
 
     Args:
         unsupported: for "auto", asked only where cute would be picked: why the CuTeDSL kernels
@@ -88,19 +87,22 @@ def resolve_backend(backend: str, device: torch.device,
 
     Raises:
         ValueError: unknown backend name, "cute" on a non-CUDA device / without CuTeDSL, or
-            "cute" inside `differentiable_kernels()` or while torch.compile traces.
+            "cute" inside `differentiable_kernels()` or while torch.compile traces with grad
+            mode on.
     """
     check_backend_name(backend)
     device = torch.device(device)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling and torch.is_grad_enabled():
         if backend == "cute":
             raise ValueError(
-                "backend 'cute' runs the CuTeDSL kernels, which torch.compile cannot trace: "
-                "compile a layer built with backend 'auto' (torch kernels inside the compiled "
-                "graph) or call the 'cute' layer uncompiled (enable_cuda_graphs() captures it)")
+                "backend 'cute' is inference-only (the CuTeDSL kernels have no backward) but "
+                "torch.compile traces this forward with grad mode on: compile it under "
+                "torch.no_grad() / torch.inference_mode(), or build the layer with backend "
+                "'auto' (the torch kernels inside the compiled graph) to train")
         return "reference"
-    if _DIFFERENTIABLE.get():
-        if backend == "cute":
+    if not compiling and _DIFFERENTIABLE.get():  # (dynamo refuses ContextVar.get; grad mode
+        if backend == "cute":                   # is on wherever this context is entered)
             raise ValueError(
                 "backend 'cute' is inference-only (the CuTeDSL kernels have no backward) but "
                 "autograd is recording this forward: run it under torch.inference_mode() or "
@@ -111,10 +113,11 @@ def resolve_backend(backend: str, device: torch.device,
             reason = unsupported() if unsupported is not None else None
             if reason is None:
                 return "cute"
-            _log_once(f"moe_runtime: the CuTeDSL kernels do not take this layer ({reason}); "
-                      "using the torch reference kernels for it")
+            if not compiling:
+                _log_once(f"moe_runtime: the CuTeDSL kernels do not take this layer ({reason}); "
+                          "using the torch reference kernels for it")
             return "reference"
-        if device.type == "cuda":
+        if device.type == "cuda" and not compiling:
             _log_once("moe_runtime: nvidia-cutlass-dsl is not importable; using the torch "
                       "reference kernels on CUDA (pip install 'moe_runtime[gpu]')")
         return "reference"
@@ -125,8 +128,12 @@ def resolve_backend(backend: str, device: torch.device,
 
 
 def get_ops(backend: str):
-    """The module implementing route/dispatch/combine for a resolved backend name."""
+    """The module implementing route/dispatch/combine for a resolved backend name ("cute"
+    while torch.compile traces: the kernels as custom ops, compiled_ops.py)."""
     if backend == "reference":
         return reference
+    if torch.compiler.is_compiling():
+        from . import compiled_ops
+        return compiled_ops
     from . import cute_ops
     return cute_ops

@@ -339,6 +339,70 @@ def test_compiled_auto_layer_infers_and_trains_in_one_graph():
         assert comp[name] is not None and rel_err(comp[name], g) <= 2e-2, name
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_inference_keeps_the_cutedsl_kernels(monkeypatch, mode):
+    """torch.compile (inductor, fullgraph=True) of an "auto" layer at the Qwen3-30B-A3B shape,
+    called under torch.inference_mode(): the compiled code runs the CuTeDSL kernels (the custom
+    ops of compiled_ops.py, whose bodies call cute_ops) and equals the eager layer on fresh
+    inputs: bit for bit at T = 1 and 7 (the same GEMV kernels), within bf16 tolerance at
+    T = 256 (torch._grouped_mm under compile, quack eagerly). mode="reduce-overhead" replays
+    inductor's CUDA graphs from the second call of a size on (no Python: no kernel call is
+    counted there, and the outputs must still follow each new input)."""
+    from collections import Counter
+    from moe_runtime.kernels import cute_ops
+    calls = Counter()
+    for name in ("route", "dispatch", "combine", "expert_gemv"):
+        def counted(*a, _fn=getattr(cute_ops, name), _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(cute_ops, name, counted)
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(dtype=torch.bfloat16, **FAMILIES["qwen3_30b_a3b"]),
+                     backend="auto", device=DEV).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, mode=None if mode == "default" else mode)
+    with torch.inference_mode():
+        for T in (1, 7, 256):
+            seen = Counter()
+            for rep in range(3):
+                x = tokens(layer, T, seed=100 * rep)
+                want = layer(x)
+                calls.clear()
+                got = compiled(x).clone()
+                seen.update(calls)
+                if T < 64:
+                    assert torch.equal(got, want), (T, rep)
+                assert rel_err(got, want) <= 2e-2, (T, rep)
+            need = {"route", "dispatch", "combine"} | ({"expert_gemv"} if T < 64 else set())
+            assert need <= set(seen), (T, seen)
+    torch._dynamo.reset()
+
+
+def test_custom_ops_pass_torch_opcheck():
+    """torch.library.opcheck of every custom op on real inputs: schema, fake implementation
+    against the kernel's real output, and AOT dispatch (static and dynamic shapes)."""
+    from moe_runtime.kernels import compiled_ops, cute_ops  # (registers the ops)
+    torch.manual_seed(0)
+    T, H, E, k, M = 5, 256, 16, 4, 192
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEV, dtype=torch.bfloat16)
+    bias = torch.rand(E, device=DEV)
+    weight = torch.randn(E, M, H, device=DEV, dtype=torch.bfloat16) * H ** -0.5
+    ids, w, _ = cute_ops.route(logits, k, with_counts=False)
+    ex, offsets, slot = cute_ops.dispatch(x, ids, expert_start=0, num_local_experts=E, align=8)
+    ey = torch.randn_like(ex)
+    ops = torch.ops.moe_runtime
+    for op, args in (
+            (ops.route.default, (logits, bias, k, "sigmoid", True, 4, 2, 2.5, True)),
+            (ops.route.default, (logits, None, k, "softmax", True, 1, 1, 1.0, False)),
+            (ops.dispatch.default, (x, ids, 0, E, 8)),
+            (ops.combine.default, (ey, slot, w)),
+            (ops.expert_gemv.default, (ex, offsets, weight, True)),
+            (ops.linear_gemv.default, (x, weight[0]))):
+        torch.library.opcheck(op, args)
+    assert compiled_ops.route(logits, k, with_counts=False)[2] is None
+
+
 def test_a_cast_drops_graphs_that_would_not_be_host_sync_free():
     """Graphs of a bf16 layer: after `.float()` (fp32 experts read their offsets on the host) the
     graphs are dropped and forward runs eagerly, equal to a layer built in fp32 from the same

@@ -1,0 +1,137 @@
+"""The CuTeDSL kernels as torch custom ops (torch.library), so torch.compile keeps them.
+
+dynamo cannot trace a CuTeDSL launch (a TVM-FFI call behind a host-side compile cache), so
+while it traces an inference forward, `kernels.get_ops("cute")` returns this module: the
+functions of cute_ops with the same signatures and results (route, dispatch, combine,
+expert_gemv, linear_gemv), each one custom op `moe_runtime::<name>`. The op's body is the
+cute_ops call, run as it is inside the compiled code (inductor's CUDA graphs included); its
+fake implementation derives the output shapes from the input shapes alone, which these kernels
+allow: dispatch allocates `dispatch_capacity(T, k, E, align)` rows, never a data-dependent
+count. So a compiled graph holds no break and no host sync for them.
+
+The ops have no autograd formula: `resolve_backend` picks them only while grad mode is off
+(torch.no_grad() / torch.inference_mode()); compiled training takes the reference kernels.
+Inputs that the kernels would refuse for their layout alone (not contiguous, or not 16-byte
+aligned: a view the compiled graph passes) are copied first, as the torch ops would take them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import cute_ops
+from .reference import dispatch_capacity
+
+
+def _dense(t: Tensor) -> Tensor:
+    """t, or a contiguous 16-byte aligned copy of it (what the kernels read)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------------------------- route
+@torch.library.custom_op("moe_runtime::route", mutates_args=())
+def _route(logits: Tensor, correction_bias: Optional[Tensor], top_k: int, scoring: str,
+           norm_topk_prob: bool, n_group: int, topk_group: int, routed_scaling_factor: float,
+           with_counts: bool) -> tuple[Tensor, Tensor, Tensor]:
+    ids, weights, counts = cute_ops.route(
+        _dense(logits), top_k, scoring=scoring, norm_topk_prob=norm_topk_prob,
+        correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor, with_counts=with_counts)
+    return ids, weights, counts if with_counts else logits.new_empty(0, dtype=torch.int32)
+
+
+@_route.register_fake
+def _(logits, correction_bias, top_k, scoring, norm_topk_prob, n_group, topk_group,
+      routed_scaling_factor, with_counts):
+    T, E = logits.shape
+    return (logits.new_empty(T, top_k, dtype=torch.int32),
+            logits.new_empty(T, top_k, dtype=torch.float32),
+            logits.new_empty(E if with_counts else 0, dtype=torch.int32))
+
+
+def route(logits: Tensor, top_k: int, *, scoring: str = "softmax", norm_topk_prob: bool = True,
+          correction_bias: Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0, with_counts: bool = True):
+    """cute_ops.route as the custom op moe_runtime::route (same arguments, results, errors)."""
+    ids, weights, counts = torch.ops.moe_runtime.route(
+        logits, correction_bias, top_k, scoring, norm_topk_prob, n_group, topk_group,
+        float(routed_scaling_factor), with_counts)
+    return ids, weights, counts if with_counts else None
+
+
+# ------------------------------------------------------------------------------- dispatch
+@torch.library.custom_op("moe_runtime::dispatch", mutates_args=())
+def _dispatch(x: Tensor, topk_ids: Tensor, expert_start: int, num_local_experts: int,
+              align: int) -> tuple[Tensor, Tensor, Tensor]:
+    return cute_ops.dispatch(_dense(x), _dense(topk_ids), expert_start=expert_start,
+                             num_local_experts=num_local_experts, align=align)
+
+
+@_dispatch.register_fake
+def _(x, topk_ids, expert_start, num_local_experts, align):
+    T, k = topk_ids.shape
+    return (x.new_empty(dispatch_capacity(T, k, num_local_experts, align), x.shape[1]),
+            x.new_empty(num_local_experts + 1, dtype=torch.int32),
+            x.new_empty(T, k, dtype=torch.int32))
+
+
+def dispatch(x: Tensor, topk_ids: Tensor, *, expert_start: int, num_local_experts: int,
+             align: int = 1):
+    """cute_ops.dispatch as the custom op moe_runtime::dispatch (same arguments, results,
+    errors)."""
+    return torch.ops.moe_runtime.dispatch(x, topk_ids, expert_start, num_local_experts, align)
+
+
+# -------------------------------------------------------------------------------- combine
+@torch.library.custom_op("moe_runtime::combine", mutates_args=())
+def _combine(expert_y: Tensor, token_slot: Tensor, topk_weights: Tensor) -> Tensor:
+    return cute_ops.combine(_dense(expert_y), _dense(token_slot), _dense(topk_weights))
+
+
+@_combine.register_fake
+def _(expert_y, token_slot, topk_weights):
+    return expert_y.new_empty(token_slot.shape[0], expert_y.shape[1])
+
+
+def combine(expert_y: Tensor, token_slot: Tensor, topk_weights: Tensor) -> Tensor:
+    """cute_ops.combine as the custom op moe_runtime::combine (same arguments, result,
+    errors)."""
+    return torch.ops.moe_runtime.combine(expert_y, token_slot, topk_weights)
+
+
+# ---------------------------------------------------------------------------- expert GEMV
+@torch.library.custom_op("moe_runtime::expert_gemv", mutates_args=())
+def _expert_gemv(x: Tensor, expert_offsets: Tensor, weight: Tensor, swiglu: bool) -> Tensor:
+    return cute_ops.expert_gemv(_dense(x), _dense(expert_offsets), _dense(weight), swiglu=swiglu)
+
+
+@_expert_gemv.register_fake
+def _(x, expert_offsets, weight, swiglu):
+    rows = weight.shape[1]
+    return x.new_empty(x.shape[0], rows // 2 if swiglu else rows)
+
+
+def expert_gemv(x: Tensor, expert_offsets: Tensor, weight: Tensor, *, swiglu: bool) -> Tensor:
+    """cute_ops.expert_gemv as the custom op moe_runtime::expert_gemv (same arguments, result,
+    errors)."""
+    return torch.ops.moe_runtime.expert_gemv(x, expert_offsets, weight, swiglu)
+
+
+@torch.library.custom_op("moe_runtime::linear_gemv", mutates_args=())
+def _linear_gemv(x: Tensor, weight: Tensor) -> Tensor:
+    return cute_ops.linear_gemv(_dense(x), _dense(weight))
+
+
+@_linear_gemv.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear_gemv(x: Tensor, weight: Tensor) -> Tensor:
+    """cute_ops.linear_gemv as the custom op moe_runtime::linear_gemv (same arguments, result,
+    errors)."""
+    return torch.ops.moe_runtime.linear_gemv(x, weight)

@@ -1,0 +1,88 @@
+"""The CuTeDSL kernels as torch custom ops (kernels/compiled_ops.py), checked on the CPU with
+fake CUDA tensors: what torch.compile / torch.export trace for a CUDA layer, and the ops' fake
+implementations against the reference kernels' output shapes. (The real kernels against
+them run on the GPU: tests/gpu/test_moe_layer_gpu.py.)"""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from moe_runtime import MoEConfig, MoELayer
+from moe_runtime.kernels import compiled_ops, reference as R
+
+pytest.importorskip("cutlass")  # (compiled_ops imports the CuTeDSL kernels; the test extra has it)
+
+OURS = {f"moe_runtime.{n}.default" for n in ("route", "dispatch", "combine", "expert_gemv",
+                                             "linear_gemv")}
+CONFIGS = {
+    "softmax": dict(),
+    "sigmoid_groups_bias_shared": dict(scoring="sigmoid", n_group=4, topk_group=2,
+                                       routed_scaling_factor=2.5, use_correction_bias=True,
+                                       shared_expert_intermediate_size=64),
+}
+
+
+def traced_ops(family: str, T: int) -> set[str]:
+    """The call targets of torch.export's graph of a bf16 CUDA layer (fake tensors) on T rows,
+    grad mode off. (Grad mode on is not traceable here: autograd on a fake CUDA tensor aborts
+    a CPU-only torch; kernels.resolve_backend's answer is checked in test_layer.py and the
+    compiled training step on the GPU.)"""
+    cfg = MoEConfig(hidden_size=256, num_experts=16, top_k=4, moe_intermediate_size=128,
+                    dtype=torch.bfloat16, **CONFIGS[family])
+    meta = MoELayer(cfg, device="meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer = meta.to_empty(device="cuda")
+        x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            ep = torch.export.export(layer, (x,), strict=True)
+    return {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("T", [1, 4])
+def test_compiled_inference_traces_the_cutedsl_kernels(family, T):
+    """Grad mode off: the router GEMV, the routing epilogue, dispatch, both expert GEMVs and
+    combine are the custom ops, and no reference kernel is traced (its sort / one-hot /
+    index_add); the shared expert stays torch ops."""
+    ops = traced_ops(family, T)
+    assert OURS <= ops, sorted(ops)
+    assert not {o for o in ops if any(w in o for w in ("sort", "topk", "index_add", "scatter"))}
+    assert ("aten.linear.default" in ops) == ("shared" in family)
+
+
+@pytest.mark.parametrize("T,align", [(0, 1), (1, 1), (7, 1), (7, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fake_shapes_match_the_reference(T, align, dtype):
+    """Every op's fake output (shape, dtype) equals the reference kernels' real output on the
+    same inputs: the shapes a compiled graph plans with are the ones the kernels return."""
+    H, E, k, M = 64, 8, 2, 48
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g).to(dtype)
+    bias = torch.rand(E, generator=g)
+    weight = torch.randn(E, M, H, generator=g).to(dtype)
+    ids, w, counts = R.route(logits, k, scoring="sigmoid", correction_bias=bias, n_group=2,
+                             topk_group=1)
+    ex, offsets, slot = R.dispatch(x, ids, expert_start=0, num_local_experts=E, align=align)
+    y = R.combine(ex, slot, w)
+    want = {"route": (ids, w, counts), "dispatch": (ex, offsets, slot), "combine": (y,),
+            "expert_gemv": (torch.empty(ex.shape[0], M // 2, dtype=dtype),),
+            "linear_gemv": (torch.empty(T, M, dtype=dtype),)}
+    with FakeTensorMode() as mode:
+        f = {n: mode.from_tensor(t) for n, t in dict(
+            x=x, logits=logits, bias=bias, weight=weight, ids=ids, w=w, ex=ex,
+            offsets=offsets, slot=slot).items()}
+        got = {
+            "route": compiled_ops.route(f["logits"], k, scoring="sigmoid", correction_bias=f["bias"],
+                                        n_group=2, topk_group=1),
+            "dispatch": compiled_ops.dispatch(f["x"], f["ids"], expert_start=0,
+                                              num_local_experts=E, align=align),
+            "combine": (compiled_ops.combine(f["ex"], f["slot"], f["w"]),),
+            "expert_gemv": (compiled_ops.expert_gemv(f["ex"], f["offsets"], f["weight"],
+                                                     swiglu=True),),
+            "linear_gemv": (compiled_ops.linear_gemv(f["x"], f["weight"][0]),)}
+    for name, outs in want.items():
+        shapes = [(tuple(t.shape), t.dtype) for t in got[name]]
+        assert shapes == [(tuple(t.shape), t.dtype) for t in outs], name
+    with FakeTensorMode() as mode:
+        out = compiled_ops.route(mode.from_tensor(logits), k, with_counts=False)
+    assert out[2] is None and tuple(out[0].shape) == (T, k)
