@@ -38,7 +38,7 @@ import itertools
 
 import torch
 
-from ..sync.host import check_errors, error_flags, raise_pending, workspace
+from ..sync.host import check_errors, device_zeros, error_flags, raise_pending, workspace
 from . import cute_compile as cc
 from . import dispatch_slots as _dslots
 from . import route_topk as _route
@@ -273,8 +273,9 @@ def route(
 @functools.lru_cache(maxsize=None)
 def _const_zeros(index: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """A cached zero vector on CUDA device `index` that no kernel writes: the bias of routers
-    without a correction bias, the counts and workspace of a route launch without counts."""
-    return torch.zeros(n, dtype=dtype, device=torch.device("cuda", index))
+    without a correction bias, the counts and workspace of a route launch without counts
+    (`device_zeros`: outside CUDA-graph memory pools)."""
+    return device_zeros(n, dtype, torch.device("cuda", index))
 
 
 # ------------------------------------------------------------------------------- dispatch
@@ -565,8 +566,11 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _one_expert_offsets(index: int) -> torch.Tensor:
     """[0, 2**31 - 1]: every row of x belongs to expert 0 (the GEMV's rows come from x's shape,
     so one constant serves every T). Made on first use, which must be outside a CUDA-graph
-    capture, as every kernel's first call here."""
-    return torch.tensor([0, 2**31 - 1], dtype=torch.int32, device=torch.device("cuda", index))
+    capture, as every kernel's first call here (`device_zeros`: outside CUDA-graph memory
+    pools; the H2D copy allocates no device memory)."""
+    offsets = device_zeros(2, torch.int32, torch.device("cuda", index))
+    offsets.copy_(torch.tensor([0, 2**31 - 1], dtype=torch.int32))
+    return offsets
 
 
 # ---------------------------------------------------------------------------- test hook

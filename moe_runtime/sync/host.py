@@ -103,14 +103,51 @@ def check_errors() -> None:
     raise_pending()
 
 
+class _DeviceBuffer:
+    """cudaMalloc'ed device memory shown to torch through __cuda_array_interface__ (never
+    freed: a process-lifetime buffer)."""
+
+    def __init__(self, nbytes: int, typestr: str, shape: tuple[int, ...], device: torch.device):
+        from cuda.bindings import runtime as cudart
+        with torch.cuda.device(device):
+            err, ptr = cudart.cudaMalloc(max(nbytes, 16))
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaMalloc of {nbytes} bytes on {device} failed: {err}")
+            err, = cudart.cudaMemset(ptr, 0, max(nbytes, 16))
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaMemset on {device} failed: {err}")
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (int(ptr), False), "version": 2}
+
+
+_TYPESTR = {torch.int32: "<i4", torch.float32: "<f4"}
+
+
+def device_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed [n] tensor (int32 or float32) on CUDA `device` for the caches the kernels keep
+    across calls (workspaces, constants), allocated outside torch's caching allocator: a CUDA
+    graph memory pool that routes the allocations of the moment there (torch.compile's
+    mode="reduce-overhead" runs its warm-up calls so, and later restores the pool to an
+    earlier checkpoint, which would free the block under a cache that still holds it) never
+    holds it. Inside a CUDA-graph capture (cudaMalloc is not capturable) it is a torch tensor
+    of the capture's pool, which that graph keeps. A normal tensor under inference_mode too."""
+    device = torch.device(device)
+    with torch.inference_mode(False):
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=dtype, device=device)
+        return torch.as_tensor(_DeviceBuffer(n * dtype.itemsize, _TYPESTR[dtype], (n,), device),
+                               device=device)
+
+
 def workspace(device: torch.device, name: str, words: int) -> torch.Tensor:
-    """Zero-initialized int32 [words] for (device, current stream, name), created once (a normal
-    tensor even when first asked for under torch.inference_mode(): `ErrorFlags.clear` zeroes it
-    in whatever mode the error is raised)."""
+    """Zero-initialized int32 [words] for (device, current stream, name), created once
+    (`device_zeros`: outside CUDA-graph pools, a normal tensor even when first asked for under
+    torch.inference_mode(): `ErrorFlags.clear` zeroes it in whatever mode the error is
+    raised)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = (device.index, stream, name, words)
     ws = _workspaces.get(key)
     if ws is None:
-        with _lock, torch.inference_mode(False):
-            ws = _workspaces.setdefault(key, torch.zeros(words, dtype=torch.int32, device=device))
+        with _lock:
+            ws = _workspaces.setdefault(key, device_zeros(words, torch.int32, device))
     return ws
