@@ -13,6 +13,14 @@ The ops have no autograd formula: `resolve_backend` picks them only while grad m
 (torch.no_grad() / torch.inference_mode()); compiled training takes the reference kernels.
 Inputs that the kernels would refuse for their layout alone (not contiguous, or not 16-byte
 aligned: a view the compiled graph passes) are copied first, as the torch ops would take them.
+
+Measured (H200, one Qwen3-30B-A3B layer, bf16, fullgraph=True, inference_mode, us per call
+over 8 inputs back to back, bench_out diagnostic compile_speed.py, 2026-12-02): T = 1 with
+mode="reduce-overhead" 186.8 against 194.0 for the reference kernels compiled (what "auto"
+compiled to before; both bound by the host's work per call), eager 327.9, the layer's own CUDA
+graphs (`MoELayer.enable_cuda_graphs`) 79.2; T = 4096 with inductor's default mode 830.7
+against 1083.7 compiled reference, eager 712.3 (quack's grouped GEMMs, which compiled code
+replaces with torch._grouped_mm).
 """
 from __future__ import annotations
 
