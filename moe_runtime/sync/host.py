@@ -116,6 +116,9 @@ class _DeviceBuffer:
             err, = cudart.cudaMemset(ptr, 0, max(nbytes, 16))
             if err != cudart.cudaError_t.cudaSuccess:
                 raise RuntimeError(f"cudaMemset on {device} failed: {err}")
+            # (the memset may still run on the legacy stream, which torch's side streams do
+            # not wait for: complete it before any stream reads the buffer; once per buffer)
+            torch.cuda.synchronize(device)
         self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
                                          "data": (int(ptr), False), "version": 2}
 
