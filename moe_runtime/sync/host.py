@@ -104,8 +104,8 @@ def check_errors() -> None:
 
 
 class _DeviceBuffer:
-    """cudaMalloc'ed device memory shown to torch through __cuda_array_interface__ (never
-    freed: a process-lifetime buffer)."""
+    """cudaMalloc'ed device memory (uninitialized) shown to torch through
+    __cuda_array_interface__ (never freed: a process-lifetime buffer)."""
 
     def __init__(self, nbytes: int, typestr: str, shape: tuple[int, ...], device: torch.device):
         from cuda.bindings import runtime as cudart
@@ -113,12 +113,6 @@ class _DeviceBuffer:
             err, ptr = cudart.cudaMalloc(max(nbytes, 16))
             if err != cudart.cudaError_t.cudaSuccess:
                 raise RuntimeError(f"cudaMalloc of {nbytes} bytes on {device} failed: {err}")
-            err, = cudart.cudaMemset(ptr, 0, max(nbytes, 16))
-            if err != cudart.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaMemset on {device} failed: {err}")
-            # (the memset may still run on the legacy stream, which torch's side streams do
-            # not wait for: complete it before any stream reads the buffer; once per buffer)
-            torch.cuda.synchronize(device)
         self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
                                          "data": (int(ptr), False), "version": 2}
 
@@ -138,8 +132,9 @@ def device_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     with torch.inference_mode(False):
         if torch.cuda.is_current_stream_capturing():
             return torch.zeros(n, dtype=dtype, device=device)
-        return torch.as_tensor(_DeviceBuffer(n * dtype.itemsize, _TYPESTR[dtype], (n,), device),
-                               device=device)
+        t = torch.as_tensor(_DeviceBuffer(n * dtype.itemsize, _TYPESTR[dtype], (n,), device),
+                            device=device)
+        return t.zero_()  # (on the current stream, as torch.zeros would: no host sync)
 
 
 def workspace(device: torch.device, name: str, words: int) -> torch.Tensor:
