@@ -465,7 +465,10 @@ def _output_collector():
 
 def _collected() -> dict | None:
     """transformers' outputs being recorded now, when they include "router_logits"."""
-    collector = _output_collector()
+    lookup = _output_collector
+    if torch.compiler.is_compiling():  # (dynamo warns about a cache it bypasses)
+        lookup = lookup.__wrapped__
+    collector = lookup()
     collected = None if collector is None else collector.get()
     return collected if collected is not None and "router_logits" in collected else None
 
@@ -474,7 +477,7 @@ def _keep_router_logits(layer: MoELayer, args: tuple) -> None:
     """Forward pre-hook of the layer: while the model records "router_logits", its router keeps
     the logits it computes in this call (Router.kept_logits; MoELayer.forward clears it when the
     call runs CUDA graphs: a capture computes the padded static rows, a replay runs no Python).
-    Set on every call."""
+    Decided on every call (assigned only when it changes)."""
     router = unwrapped(layer.router)
     if _collected() is not None:
         router.kept_logits = []

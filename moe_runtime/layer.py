@@ -349,11 +349,11 @@ class MoELayer(nn.Module):
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._tree()[0])
 
     def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, nn.Module, str, tuple, bool], ...],
-                             tuple[tuple[dict, str], ...]]:
+                             tuple[dict, ...]]:
         """(submodules, (name, owner module, parameter name, shape, dtype free) of the weights
-        that `_weights_dtype` checks, (tensor dict, name) of every parameter and buffer slot in
-        `modules()` order (`_storage_fingerprint`)); read live from the owners' dicts, so no
-        tensor is held here. The shape is the config's for the router and the routed experts,
+        that `_weights_dtype` checks, the parameter and buffer dicts of every module in
+        `modules()` order (`_storage_fingerprint`: a tensor registered later under a new name
+        is in them)); read live from the owners' dicts, so no tensor is held here. The shape is the config's for the router and the routed experts,
         the one at the walk for the others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
         submodule of this package's modules is assigned or the layer converted
         (param_checks.structure_version), or a submodule is set with add_module /
@@ -378,7 +378,7 @@ class MoELayer(nn.Module):
                     if w is not None:
                         slots.append((name, m, n, sized.get(name, tuple(w.shape)),
                                       name == "router.weight" and c.router_logits_fp32))
-                tensors += [(d, n) for d in (m._parameters, m._buffers) for n in d]
+                tensors += [m._parameters, m._buffers]
             tree = (subs, tuple(slots), tuple(tensors))
             if not compiling:
                 self.__dict__["_tree_cache"] = ((structure_version[0], _children(self, subs)),
@@ -388,7 +388,7 @@ class MoELayer(nn.Module):
     def _storage_fingerprint(self) -> tuple[int, ...]:
         """cuda_graphs.storage_fingerprint of the layer (the same tuple) from the cached walk
         (`_tree`): ~2 us a call instead of ~8 on the host, paid by every graph replay."""
-        return tuple(t.data_ptr() for d, n in self._tree()[2] if (t := d.get(n)) is not None)
+        return tuple(t.data_ptr() for d in self._tree()[2] for t in d.values() if t is not None)
 
     def __setattr__(self, name, value):
         path = self.__dict__.get("module_aliases", {}).get(name)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from moe_runtime import MoEConfig, MoELayer
-from moe_runtime.kernels import compiled_ops, reference as R
-
 pytest.importorskip("cutlass")  # (compiled_ops imports the CuTeDSL kernels; the test extra has it)
+
+from moe_runtime import MoEConfig, MoELayer  # noqa: E402
+from moe_runtime.kernels import compiled_ops, reference as R  # noqa: E402
 
 OURS = {f"moe_runtime.{n}.default" for n in ("route", "dispatch", "combine", "expert_gemv",
                                              "linear_gemv")}

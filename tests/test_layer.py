@@ -411,6 +411,7 @@ def test_compiled_kernels_follow_grad_mode(monkeypatch):
     way out (without fullgraph, dynamo runs it eagerly); with grad mode off both resolve to
     "cute", and get_ops("cute") gives the kernels as custom ops (compiled_ops). No GPU needed:
     host logic."""
+    pytest.importorskip("cutlass")  # (compiled_ops imports the CuTeDSL kernels)
     from moe_runtime import kernels
     from moe_runtime.kernels import compiled_ops
     monkeypatch.setattr(kernels, "cute_available", lambda: True)

@@ -266,7 +266,8 @@ def test_the_cached_fingerprint_follows_every_kind_of_replacement():
     """The graphs' fingerprint (read from the layer's cached walk) equals the full
     storage_fingerprint walk after replacements that bypass assignment, so a replay never
     reads a tensor that moved: `.data =`, a direct dict write of a buffer, register_parameter,
-    add_module of a new shared expert, and a None buffer slot that gets a tensor."""
+    add_module of a new shared expert, a None buffer slot that gets a tensor, and buffers
+    registered under a new name or deleted and registered again."""
     layer = make_layer("sigmoid_groups_shared")
     fp = layer._storage_fingerprint
     seen = [fp()]
@@ -289,6 +290,12 @@ def test_the_cached_fingerprint_follows_every_kind_of_replacement():
     layer.router._buffers["e_score_correction_bias"] = None
     changed()
     layer.router._buffers["e_score_correction_bias"] = bias
+    changed()
+    layer.experts.register_buffer("scale", torch.ones(4))  # (a new name: no assignment seen)
+    changed()
+    del layer.router.e_score_correction_bias
+    changed()
+    layer.router.register_buffer("e_score_correction_bias", bias)
     changed()
 
 

@@ -97,9 +97,11 @@ def resolve_backend(backend: str, device: torch.device,
         if backend == "cute":
             raise ValueError(
                 "backend 'cute' is inference-only (the CuTeDSL kernels have no backward) but "
-                "torch.compile traces this forward with grad mode on: compile it under "
-                "torch.no_grad() / torch.inference_mode(), or build the layer with backend "
-                "'auto' (the torch kernels inside the compiled graph) to train")
+                "torch.compile traces this forward with grad mode on (torch.enable_grad() "
+                "inside torch.inference_mode() counts: dynamo cannot see inference mode): "
+                "call it under torch.no_grad() / torch.inference_mode() alone, or build the "
+                "layer with backend 'auto' (the torch kernels inside the compiled graph) to "
+                "train")
         return "reference"
     if not compiling and _DIFFERENTIABLE.get():  # (dynamo refuses ContextVar.get; grad mode
         if backend == "cute":                   # is on wherever this context is entered)

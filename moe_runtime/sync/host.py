@@ -126,11 +126,12 @@ def device_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     graph memory pool that routes the allocations of the moment there (torch.compile's
     mode="reduce-overhead" runs its warm-up calls so, and later restores the pool to an
     earlier checkpoint, which would free the block under a cache that still holds it) never
-    holds it. Inside a CUDA-graph capture (cudaMalloc is not capturable) it is a torch tensor
-    of the capture's pool, which that graph keeps. A normal tensor under inference_mode too."""
+    holds it. Inside a CUDA-graph capture on `device` (cudaMalloc is not capturable) it is a
+    torch tensor of the capture's pool, which that graph keeps, zeroed when the graph replays.
+    A normal tensor under inference_mode too."""
     device = torch.device(device)
-    with torch.inference_mode(False):
-        if torch.cuda.is_current_stream_capturing():
+    with torch.inference_mode(False), torch.cuda.device(device):
+        if torch.cuda.is_current_stream_capturing():  # (on `device`)
             return torch.zeros(n, dtype=dtype, device=device)
         t = torch.as_tensor(_DeviceBuffer(n * dtype.itemsize, _TYPESTR[dtype], (n,), device),
                             device=device)
@@ -147,5 +148,7 @@ def workspace(device: torch.device, name: str, words: int) -> torch.Tensor:
     ws = _workspaces.get(key)
     if ws is None:
         with _lock:
-            ws = _workspaces.setdefault(key, device_zeros(words, torch.int32, device))
+            ws = _workspaces.get(key)
+            if ws is None:
+                ws = _workspaces[key] = device_zeros(words, torch.int32, device)
     return ws
