@@ -13,6 +13,9 @@ The ops have no autograd formula: `resolve_backend` picks them only while grad m
 (torch.no_grad() / torch.inference_mode()); compiled training takes the reference kernels.
 Inputs that the kernels would refuse for their layout alone (not contiguous, or not 16-byte
 aligned: a view the compiled graph passes) are copied first, as the torch ops would take them.
+That includes expert weights viewed at an unaligned storage offset (dynamo cannot test the
+offset, so the experts take the GEMV anyway): a copy of the weights on every call, slow but
+right; weights as the layer allocates them, or as checkpoints load them, are aligned.
 
 Measured (H200, one Qwen3-30B-A3B layer, bf16, fullgraph=True, inference_mode, us per call
 over 8 inputs back to back, bench_out diagnostic compile_speed.py, 2026-12-02): T = 1 with
