@@ -353,8 +353,9 @@ class MoELayer(nn.Module):
         """(submodules, (name, owner module, parameter name, shape, dtype free) of the weights
         that `_weights_dtype` checks, the parameter and buffer dicts of every module in
         `modules()` order (`_storage_fingerprint`: a tensor registered later under a new name
-        is in them)); read live from the owners' dicts, so no tensor is held here. The shape is the config's for the router and the routed experts,
-        the one at the walk for the others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
+        is in them)); read live from the owners' dicts, so no tensor is held here. The shape is
+        the config's for the router and the routed experts, the one at the walk for the
+        others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
         submodule of this package's modules is assigned or the layer converted
         (param_checks.structure_version), or a submodule is set with add_module /
         register_module (every module's children); under torch.compile walked
