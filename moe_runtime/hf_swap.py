@@ -89,7 +89,6 @@ Differences from the HF module, by design:
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass, replace
 
@@ -98,6 +97,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .experts import SharedExpert
+from .kernels import traceable_cache
 from .layer import MoELayer
 from .param_checks import unwrapped
 
@@ -453,7 +453,7 @@ class _ReportHFNames:
         self.loading.foreign = []
 
 
-@functools.lru_cache(maxsize=None)
+@traceable_cache
 def _output_collector():
     """transformers' context variable of the outputs being recorded, or None where it is absent."""
     try:
@@ -465,10 +465,7 @@ def _output_collector():
 
 def _collected() -> dict | None:
     """transformers' outputs being recorded now, when they include "router_logits"."""
-    lookup = _output_collector
-    if torch.compiler.is_compiling():  # (dynamo warns about a cache it bypasses)
-        lookup = lookup.__wrapped__
-    collector = lookup()
+    collector = _output_collector()
     collected = None if collector is None else collector.get()
     return collected if collected is not None and "router_logits" in collected else None
 

@@ -106,11 +106,9 @@ class Router(CheckedModule):
 
         def unsupported():
             from .kernels import cute_ops
-            check = cute_ops.route_unsupported
-            if torch.compiler.is_compiling():  # (dynamo warns about a cache it bypasses)
-                check = check.__wrapped__
-            return check(c.num_experts, c.top_k, logits_dtype, scoring=c.scoring,
-                         n_group=c.n_group, topk_group=c.topk_group)
+            return cute_ops.route_unsupported(c.num_experts, c.top_k, logits_dtype,
+                                              scoring=c.scoring, n_group=c.n_group,
+                                              topk_group=c.topk_group)
         return resolve_backend(self.backend, device, unsupported)
 
     def logits_dtype(self, x_dtype: torch.dtype) -> torch.dtype:

@@ -2,6 +2,8 @@
 fake CUDA tensors: what torch.compile / torch.export trace for a CUDA layer, and the ops' fake
 implementations against the reference kernels' output shapes. (The real kernels against
 them run on the GPU: tests/gpu/test_moe_layer_gpu.py.)"""
+import warnings
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -32,8 +34,11 @@ def traced_ops(family: str, T: int) -> set[str]:
     with FakeTensorMode(allow_non_fake_inputs=True):
         layer = meta.to_empty(device="cuda")
         x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             ep = torch.export.export(layer, (x,), strict=True)
+    # (dynamo warns where it traces through a functools.lru_cache: kernels.traceable_cache)
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
     return {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
 
 

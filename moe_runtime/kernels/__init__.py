@@ -46,6 +46,21 @@ def differentiable_kernels():
         _DIFFERENTIABLE.reset(token)
 
 
+def traceable_cache(fn):
+    """functools.lru_cache(fn) for pure functions of hashable arguments, except while
+    torch.compile traces: then fn itself (dynamo traces through an lru_cache anyway, ignoring
+    it, and warns at every such call)."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return cached(*args, **kwargs)
+    call.cache_clear = cached.cache_clear
+    return call
+
+
 _CUTLASS_IMPORTABLE = importlib.util.find_spec("cutlass") is not None  # (not traceable)
 
 

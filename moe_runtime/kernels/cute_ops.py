@@ -39,7 +39,7 @@ import itertools
 import torch
 
 from ..sync.host import check_errors, device_zeros, error_flags, raise_pending, workspace
-from . import cute_compile as cc
+from . import cute_compile as cc, traceable_cache
 from . import dispatch_slots as _dslots
 from . import route_topk as _route
 from .device_rows import num_segments
@@ -174,7 +174,7 @@ def _check_num_local_experts(n: int) -> None:
         raise ValueError(problem)
 
 
-@functools.lru_cache(maxsize=None)  # (asked on every forward of an "auto" layer)
+@traceable_cache  # (asked on every forward of an "auto" layer)
 def route_unsupported(num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
                       n_group: int = 1, topk_group: int = 1) -> str | None:
     """Why `route` refuses logits of `dtype` over `num_experts` experts with these settings
@@ -185,7 +185,7 @@ def route_unsupported(num_experts: int, top_k: int, dtype: torch.dtype, *, scori
                                                    n_group, topk_group)
 
 
-@functools.lru_cache(maxsize=None)  # (asked on every forward of an "auto" layer)
+@traceable_cache  # (asked on every forward of an "auto" layer)
 def rows_unsupported(hidden: int, dtype: torch.dtype, num_local_experts: int,
                      top_k: int) -> str | None:
     """Why `dispatch` / `combine` refuse rows of `hidden` elements of `dtype` for

@@ -30,10 +30,7 @@ class LocalTopology(Topology):
         row that is not a multiple of 16 bytes)."""
         def unsupported():
             from ..kernels import cute_ops
-            check = cute_ops.rows_unsupported
-            if torch.compiler.is_compiling():  # (dynamo warns about a cache it bypasses)
-                check = check.__wrapped__
-            return check(hidden, dtype, self.num_local_experts, top_k)
+            return cute_ops.rows_unsupported(hidden, dtype, self.num_local_experts, top_k)
         return resolve_backend(self.backend, device, unsupported)
 
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
