@@ -128,7 +128,11 @@ def device_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     earlier checkpoint, which would free the block under a cache that still holds it) never
     holds it. Inside a CUDA-graph capture on `device` (cudaMalloc is not capturable) it is a
     torch tensor of the capture's pool, which that graph keeps, zeroed when the graph replays.
-    A normal tensor under inference_mode too."""
+    A normal tensor under inference_mode too.
+
+    Raises:
+        RuntimeError: cudaMalloc failed (out of device memory).
+    """
     device = torch.device(device)
     with torch.inference_mode(False), torch.cuda.device(device):
         if torch.cuda.is_current_stream_capturing():  # (on `device`)
