@@ -12,6 +12,9 @@ Per (shape, T), µs per call:
   device  the layer's GPU time inside a CUDA graph (T <= 256): 8 forwards on the 8 inputs
           captured in one graph and replayed, i.e. what the layer costs inside a captured
           whole-model decode step (no host cost, no input/output copies);
+  compiled  (--compiled) torch.compile(layer, fullgraph=True, dynamic=False) in inductor's default
+          mode, called under inference_mode: the CuTeDSL kernels and quack's grouped GEMMs as
+          custom ops (kernels/compiled_ops.py), the rest fused by inductor;
   hf      the HF transformers block of that family (Qwen3MoeSparseMoeBlock, DeepseekV3MoE,
           MixtralSparseMoeBlock) with experts_implementation="grouped_mm", on the SAME weights
           (our layer is made from it by swap_moe_layers, sharing storage);
@@ -31,7 +34,7 @@ Targets (Qwen3-30B-A3B): T=1 <= 40 µs, T=4096 <= 600 µs; printed, never assert
 `--stages` adds, per (shape, T), the layer's GPU kernels from torch.profiler over eager forwards
 (µs per forward by kernel name, and their sum): where a row's time goes.
 Usage: python benchmarks/moe_layer.py [--quick] [--shapes qwen3-30b-a3b,mixtral] [--tokens 1,4096]
-       [--stages] [--out bench_out/moe_layer.json]
+       [--stages] [--compiled] [--out bench_out/moe_layer.json]
 """
 from __future__ import annotations
 
@@ -184,7 +187,8 @@ def kernel_stages(fn, inputs) -> dict[str, float]:
     return per
 
 
-def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False) -> list[dict]:
+def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False,
+              compiled: bool = False) -> list[dict]:
     block = hf_block(name)
     layer = swap_moe_layers(block, backend="cute")  # shares the block's weights
     rows = []
@@ -204,6 +208,12 @@ def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False) 
                 if stages:
                     row["stages_us"] = kernel_stages(layer, inputs)
                 y = layer(inputs[0]).float()
+                if compiled:
+                    torch._dynamo.reset()
+                    fn = torch.compile(layer, fullgraph=True, dynamic=False)
+                    row["compiled_us"] = timed_us(fn, inputs)
+                    row["compiled_diff"] = float((fn(inputs[0]).float() - y).abs().max()
+                                                 / y.abs().max())
                 hf = lambda x: block(x.view(1, *x.shape))  # noqa: E731
                 try:
                     row["hf_us"] = timed_us(hf, inputs)
@@ -217,7 +227,8 @@ def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False) 
                     row["graph_equals_eager"] = bool(torch.equal(layer(inputs[0]).float(), y))
                     layer.disable_cuda_graphs()
                     row["device_us"] = graph_us(lambda: [layer(x) for x in inputs], reps=1) / len(inputs)
-            best = min(row.get("graph_us", math.inf), row.get("device_us", math.inf), row["eager_us"])
+            best = min(row.get("graph_us", math.inf), row.get("device_us", math.inf),
+                       row.get("compiled_us", math.inf), row["eager_us"])
             row["vs_floor"] = best / max(row["bytes_floor_us"], row["flops_floor_us"])
             if "hf_us" in row:
                 row["speedup_vs_hf"] = row["hf_us"] / best
@@ -237,7 +248,7 @@ def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False) 
     return rows
 
 
-HEADER = (f"{'shape':<14}{'T':>6}{'eager':>10}{'graph':>10}{'device':>10}{'hf':>10}{'bytes fl':>10}{'flops fl':>10}{'tile fl':>10}"
+HEADER = (f"{'shape':<14}{'T':>6}{'eager':>10}{'graph':>10}{'device':>10}{'compiled':>10}{'hf':>10}{'bytes fl':>10}{'flops fl':>10}{'tile fl':>10}"
           f"{'vs floor':>9}{'speedup':>9}{'diff':>9}  target")
 
 
@@ -252,7 +263,7 @@ def fmt(r: dict) -> str:
     if "hf_error" in r:
         tgt += f" hf: {r['hf_error'][:80]}"
     return (f"{r['shape']:<14}{r['T']:>6}{num('eager_us', '.1f'):>10}{num('graph_us', '.1f'):>10}"
-            f"{num('device_us', '.1f'):>10}{num('hf_us', '.1f'):>10}{num('bytes_floor_us', '.1f'):>10}{num('flops_floor_us', '.1f'):>10}"
+            f"{num('device_us', '.1f'):>10}{num('compiled_us', '.1f'):>10}{num('hf_us', '.1f'):>10}{num('bytes_floor_us', '.1f'):>10}{num('flops_floor_us', '.1f'):>10}"
             f"{num('tile_flops_floor_us', '.1f'):>10}{num('vs_floor', '.2f', 'x'):>9}{num('speedup_vs_hf', '.2f', 'x'):>9}"
             f"{num('diff_vs_hf', '.1e'):>9}  {tgt}")
 
@@ -263,6 +274,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", help=f"comma-separated subset of {sorted(SHAPES)}")
     ap.add_argument("--tokens", help="comma-separated token counts")
     ap.add_argument("--stages", action="store_true", help="also profile the layer's kernels")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time the layer under torch.compile (one compile per T)")
     ap.add_argument("--out", default="bench_out/moe_layer.json")
     a = ap.parse_args(argv)
     require_cuda()
@@ -282,7 +295,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     for name in shapes:
         try:
-            rows += run_shape(name, tokens, bw, flops, a.stages)
+            rows += run_shape(name, tokens, bw, flops, a.stages, a.compiled)
         except Exception as e:  # building the HF block or the swap failed: report, go on
             rows.append({"shape": name, "T": 0, "error": f"{type(e).__name__}: {e}"[:500]})
             print(fmt(rows[-1]), flush=True)

@@ -6,8 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import check_backend_name, get_ops, resolve_backend
-from .kernels.grouped_gemm import (grouped_gemm, quack_supported, swiglu_grouped_gemm,
-                                   tile_probe_rows)
+from .kernels.grouped_gemm import quack_supported, tile_probe_rows
 from .param_checks import CheckedModule
 
 # When Experts uses the CuTeDSL expert GEMV instead of the grouped GEMM on CUDA: each row re-reads
@@ -216,10 +215,10 @@ class Experts(CheckedModule):
 
     def _quack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Prefill-sized rows on sm_90/sm_100 with quack: the varlen grouped GEMM with SwiGLU fused
-        into the gate/up epilogue (kernels/grouped_gemm.py). Needs contiguous (K-major) weights.
-        Not under torch.compile: quack traces only its autotuned variant there, so compiled
-        graphs keep torch._grouped_mm."""
-        return (self.use_grouped_mm is not False and not torch.compiler.is_compiling()
+        into the gate/up epilogue (kernels/grouped_gemm.py). Needs contiguous (K-major) weights
+        and the "cute" backend (so under torch.compile only with grad mode off, as a custom op:
+        `kernels.resolve_backend`; compiled training takes torch._grouped_mm)."""
+        return (self.use_grouped_mm is not False
                 and self._weights_contiguous_aligned() and self._rows_16b_aligned(dtype)
                 and self._cute(device) and quack_supported(device.index, dtype))
 
@@ -234,16 +233,19 @@ class Experts(CheckedModule):
         Path, first that applies: the CuTeDSL expert GEMV (fused SwiGLU) for decode-sized
         expected rows on CUDA (`_gemv`, the GEMV_MAX_ROWS rule); quack's varlen grouped GEMM with
         fused SwiGLU on sm_90/sm_100 (`_quack`); torch._grouped_mm with the device offsets; a
-        per-expert loop (`_grouped`).
+        per-expert loop (`_grouped`). The first two are CuTeDSL kernels (custom ops while
+        torch.compile traces an inference forward: kernels/compiled_ops.py).
         """
         if self._gemv(expert_x, expected_rows):
             ops = get_ops("cute")
             act = ops.expert_gemv(expert_x, expert_offsets, self.gate_up_proj, swiglu=True)
             return ops.expert_gemv(act, expert_offsets, self.down_proj, swiglu=False)
         if self._quack(expert_x.device, expert_x.dtype):
-            act = swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj,
-                                      expected_rows=expected_rows)
-            return grouped_gemm(act, expert_offsets, self.down_proj, expected_rows=expected_rows)
+            ops = get_ops("cute")
+            act = ops.swiglu_grouped_gemm(expert_x, expert_offsets, self.gate_up_proj,
+                                          expected_rows=expected_rows)
+            return ops.grouped_gemm(act, expert_offsets, self.down_proj,
+                                    expected_rows=expected_rows)
         grouped = self._grouped(expert_x.device, expert_x.dtype, expert_x.shape[0])
         h = grouped_linear(expert_x, self.gate_up_proj, expert_offsets, use_grouped=grouped)
         gate, up = h.split(self.intermediate_size, dim=-1)

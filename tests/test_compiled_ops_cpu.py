@@ -3,6 +3,7 @@ fake CUDA tensors: what torch.compile / torch.export trace for a CUDA layer, and
 implementations against the reference kernels' output shapes. (The real kernels against
 them run on the GPU: tests/gpu/test_moe_layer_gpu.py.)"""
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -23,9 +24,9 @@ CONFIGS = {
 }
 
 
-def traced_ops(family: str, T: int) -> set[str]:
+def traced_ops(family: str, T: int) -> Counter:
     """The call targets of torch.export's graph of a bf16 CUDA layer (fake tensors) on T rows,
-    grad mode off. (Grad mode on is not traceable here: autograd on a fake CUDA tensor aborts
+    grad mode off, with how often each is called. (Grad mode on is not traceable here: autograd on a fake CUDA tensor aborts
     a CPU-only torch; kernels.resolve_backend's answer is checked in test_layer.py and the
     compiled training step on the GPU.)"""
     cfg = MoEConfig(hidden_size=256, num_experts=16, top_k=4, moe_intermediate_size=128,
@@ -39,7 +40,7 @@ def traced_ops(family: str, T: int) -> set[str]:
             ep = torch.export.export(layer, (x,), strict=True)
     # (dynamo warns where it traces through a functools.lru_cache: kernels.traceable_cache)
     assert not [w for w in caught if "lru_cache" in str(w.message)]
-    return {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -48,10 +49,23 @@ def test_compiled_inference_traces_the_cutedsl_kernels(family, T):
     """Grad mode off: the router GEMV, the routing epilogue, dispatch, both expert GEMVs and
     combine are the custom ops, and no reference kernel is traced (its sort / one-hot /
     index_add); the shared expert stays torch ops."""
-    ops = traced_ops(family, T)
+    ops = set(traced_ops(family, T))
     assert OURS <= ops, sorted(ops)
     assert not {o for o in ops if any(w in o for w in ("sort", "topk", "index_add", "scatter"))}
     assert ("aten.linear.default" in ops) == ("shared" in family)
+
+
+def test_compiled_prefill_traces_the_quack_grouped_gemms(monkeypatch):
+    """Prefill-sized rows (T * k = 256, past the expert GEMV's rule) where quack runs (stubbed
+    here: no quack or GPU on the CPU): both expert GEMMs are the custom op
+    moe_runtime::grouped_gemm (gate/up with SwiGLU, then down), not torch._grouped_mm. (Where
+    quack does not run, the experts take torch._grouped_mm, which a CPU-only torch cannot trace
+    on fake CUDA tensors; the GPU test covers it.)"""
+    from moe_runtime import experts
+    monkeypatch.setattr(experts, "quack_supported", lambda index, dtype: True)
+    ops = traced_ops("softmax", 64)
+    assert ops["moe_runtime.grouped_gemm.default"] == 2, sorted(ops)
+    assert not {o for o in ops if "grouped_mm" in o or "expert_gemv" in o}, sorted(ops)
 
 
 @pytest.mark.parametrize("T,align", [(0, 1), (1, 1), (7, 1), (7, 8)])
@@ -71,7 +85,9 @@ def test_fake_shapes_match_the_reference(T, align, dtype):
     y = R.combine(ex, slot, w)
     want = {"route": (ids, w, counts), "dispatch": (ex, offsets, slot), "combine": (y,),
             "expert_gemv": (torch.empty(ex.shape[0], M // 2, dtype=dtype),),
-            "linear_gemv": (torch.empty(T, M, dtype=dtype),)}
+            "linear_gemv": (torch.empty(T, M, dtype=dtype),),
+            "swiglu_grouped_gemm": (torch.empty(ex.shape[0], M // 2, dtype=dtype),),
+            "grouped_gemm": (torch.empty(ex.shape[0], M, dtype=dtype),)}
     with FakeTensorMode() as mode:
         f = {n: mode.from_tensor(t) for n, t in dict(
             x=x, logits=logits, bias=bias, weight=weight, ids=ids, w=w, ex=ex,
@@ -84,7 +100,10 @@ def test_fake_shapes_match_the_reference(T, align, dtype):
             "combine": (compiled_ops.combine(f["ex"], f["slot"], f["w"]),),
             "expert_gemv": (compiled_ops.expert_gemv(f["ex"], f["offsets"], f["weight"],
                                                      swiglu=True),),
-            "linear_gemv": (compiled_ops.linear_gemv(f["x"], f["weight"][0]),)}
+            "linear_gemv": (compiled_ops.linear_gemv(f["x"], f["weight"][0]),),
+            "swiglu_grouped_gemm": (compiled_ops.swiglu_grouped_gemm(
+                f["ex"], f["offsets"], f["weight"], expected_rows=T * k),),
+            "grouped_gemm": (compiled_ops.grouped_gemm(f["ex"], f["offsets"], f["weight"]),)}
     for name, outs in want.items():
         shapes = [(tuple(t.shape), t.dtype) for t in got[name]]
         assert shapes == [(tuple(t.shape), t.dtype) for t in outs], name

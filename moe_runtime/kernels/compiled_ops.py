@@ -146,3 +146,32 @@ def linear_gemv(x: Tensor, weight: Tensor) -> Tensor:
     """cute_ops.linear_gemv as the custom op moe_runtime::linear_gemv (same arguments, result,
     errors)."""
     return torch.ops.moe_runtime.linear_gemv(x, weight)
+
+
+# ---------------------------------------------------------------- grouped GEMMs (quack's)
+@torch.library.custom_op("moe_runtime::grouped_gemm", mutates_args=())
+def _grouped_gemm(x: Tensor, expert_offsets: Tensor, weight: Tensor, swiglu: bool,
+                  expected_rows: Optional[int]) -> Tensor:
+    run = cute_ops.swiglu_grouped_gemm if swiglu else cute_ops.grouped_gemm
+    return run(x, _dense(expert_offsets), _dense(weight), expected_rows=expected_rows)
+
+
+@_grouped_gemm.register_fake
+def _(x, expert_offsets, weight, swiglu, expected_rows):
+    rows = weight.shape[1]
+    return x.new_empty(x.shape[0], rows // 2 if swiglu else rows)
+
+
+def swiglu_grouped_gemm(x: Tensor, expert_offsets: Tensor, gate_up_proj: Tensor, *,
+                        expected_rows: int | None = None) -> Tensor:
+    """grouped_gemm.swiglu_grouped_gemm as the custom op moe_runtime::grouped_gemm (same
+    arguments, result, errors)."""
+    return torch.ops.moe_runtime.grouped_gemm(x, expert_offsets, gate_up_proj, True,
+                                              expected_rows)
+
+
+def grouped_gemm(x: Tensor, expert_offsets: Tensor, weight: Tensor, *,
+                 expected_rows: int | None = None) -> Tensor:
+    """grouped_gemm.grouped_gemm as the custom op moe_runtime::grouped_gemm (same arguments,
+    result, errors)."""
+    return torch.ops.moe_runtime.grouped_gemm(x, expert_offsets, weight, False, expected_rows)

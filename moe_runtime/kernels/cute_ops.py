@@ -43,11 +43,13 @@ from . import cute_compile as cc, traceable_cache
 from . import dispatch_slots as _dslots
 from . import route_topk as _route
 from .device_rows import num_segments
+from .grouped_gemm import grouped_gemm, swiglu_grouped_gemm  # (quack's, for prefill rows)
 from .reference import dispatch_capacity
 
 __all__ = ["route", "dispatch", "combine", "dispatch_in_mode", "combine_in_mode", "linear_gemv",
            "select_dispatch_mode", "select_combine_mode", "check_errors", "expert_gemv",
-           "compile_kernels", "route_unsupported", "rows_unsupported"]
+           "compile_kernels", "route_unsupported", "rows_unsupported", "grouped_gemm",
+           "swiglu_grouped_gemm"]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

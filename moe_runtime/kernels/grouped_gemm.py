@@ -133,11 +133,18 @@ def quack_keys_installed_code(cutlass_file: str) -> bool:
     return "site-packages" in parts or "dist-packages" in parts
 
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result
 def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
     """Whether the quack grouped GEMM runs here: quack importable, sm_90 or sm_100 (its SM90
     and SM100 kernels), 16-bit operands, nvidia-cutlass-dsl installed where quack can key its
-    epilogues (`quack_keys_installed_code`; otherwise logged once, torch._grouped_mm is used)."""
+    epilogues (`quack_keys_installed_code`; otherwise logged once, torch._grouped_mm is used).
+    Cached per (device_index, dtype); torch.compile takes the answer as a constant (the
+    probe's import lookups are not traceable)."""
+    return _quack_supported(device_index, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
     if dtype not in (torch.bfloat16, torch.float16) or not quack_available():
         return False
     if not torch.cuda.is_available():
@@ -152,6 +159,9 @@ def quack_supported(device_index: int | None, dtype: torch.dtype) -> bool:
                   "dist-packages); the experts use torch._grouped_mm instead of quack")
         return False
     return True
+
+
+quack_supported.cache_clear = _quack_supported.cache_clear
 
 
 @functools.lru_cache(maxsize=None)

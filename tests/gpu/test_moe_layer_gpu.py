@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from moe_runtime import MoEConfig, MoELayer
 from moe_runtime.experts import Experts
-from moe_runtime.kernels import reference as R
+from moe_runtime.kernels import grouped_gemm as gg, reference as R
 
 pytestmark = pytest.mark.gpu
 
@@ -343,19 +343,22 @@ def test_compiled_auto_layer_infers_and_trains_in_one_graph():
 def test_compiled_inference_keeps_the_cutedsl_kernels(monkeypatch, mode):
     """torch.compile (inductor, fullgraph=True) of an "auto" layer at the Qwen3-30B-A3B shape,
     called under torch.inference_mode(): the compiled code runs the CuTeDSL kernels (the custom
-    ops of compiled_ops.py, whose bodies call cute_ops) and equals the eager layer on fresh
-    inputs: bit for bit at T = 1 and 7 (the same GEMV kernels), within bf16 tolerance at
-    T = 256 (torch._grouped_mm under compile, quack eagerly). mode="reduce-overhead" replays
+    ops of compiled_ops.py, whose bodies call cute_ops: at T = 256 quack's grouped GEMMs too)
+    and equals the eager layer on fresh inputs: bit for bit at T = 1 and 7 (the same GEMV
+    kernels), within bf16 tolerance at T = 256 (the router's logits come from inductor's GEMM
+    there, not the GEMV, and can tie-break another expert). mode="reduce-overhead" replays
     inductor's CUDA graphs from the second call of a size on (no Python there; the outputs
     must follow each new input, across switches between sizes)."""
     from collections import Counter
     from moe_runtime.kernels import cute_ops
     calls = Counter()
-    for name in ("route", "dispatch", "combine", "expert_gemv"):
+    for name in ("route", "dispatch", "combine", "expert_gemv", "swiglu_grouped_gemm",
+                 "grouped_gemm"):
         def counted(*a, _fn=getattr(cute_ops, name), _name=name, **kw):
             calls[_name] += 1
             return _fn(*a, **kw)
         monkeypatch.setattr(cute_ops, name, counted)
+    quack = gg.quack_supported(0, torch.bfloat16)
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(dtype=torch.bfloat16, **FAMILIES["qwen3_30b_a3b"]),
                      backend="auto", device=DEV).eval()
@@ -378,7 +381,8 @@ def test_compiled_inference_keeps_the_cutedsl_kernels(monkeypatch, mode):
                 assert torch.equal(got, want), T
             assert rel_err(got, want) <= 2e-2, T
     for T, counted in seen.items():
-        need = {"route", "dispatch", "combine"} | ({"expert_gemv"} if T < 64 else set())
+        prefill = {"swiglu_grouped_gemm", "grouped_gemm"} if quack else set()
+        need = {"route", "dispatch", "combine"} | ({"expert_gemv"} if T < 64 else prefill)
         assert need <= set(counted), (T, counted)
     torch._dynamo.reset()
 
@@ -406,6 +410,11 @@ def test_custom_ops_pass_torch_opcheck():
             (ops.expert_gemv.default, (ex, offsets, weight, True)),
             (ops.linear_gemv.default, (x, weight[0]))):
         torch.library.opcheck(op, args)
+    if gg.quack_supported(0, torch.bfloat16):  # quack's grouped GEMMs (gate/up + SwiGLU, down)
+        down = torch.randn(E, H, M // 2, device=DEV, dtype=torch.bfloat16) * (M // 2) ** -0.5
+        act = torch.randn(ex.shape[0], M // 2, device=DEV, dtype=torch.bfloat16)
+        for args in ((ex, offsets, weight, True, None), (act, offsets, down, False, T * k)):
+            torch.library.opcheck(ops.grouped_gemm.default, args)
     # padding rows (align > 1) are unspecified, so two runs differ there: no output comparison
     torch.library.opcheck(ops.dispatch.default, (x, ids, 0, E, 8),
                           test_utils=("test_schema", "test_autograd_registration",
