@@ -12,9 +12,10 @@ Per (shape, T), µs per call:
   device  the layer's GPU time inside a CUDA graph (T <= 256): 8 forwards on the 8 inputs
           captured in one graph and replayed, i.e. what the layer costs inside a captured
           whole-model decode step (no host cost, no input/output copies);
-  compiled  (--compiled) torch.compile(layer, fullgraph=True, dynamic=False) in inductor's default
-          mode, called under inference_mode: the CuTeDSL kernels and quack's grouped GEMMs as
-          custom ops (kernels/compiled_ops.py), the rest fused by inductor;
+  compiled  (--compiled) torch.compile(layer.forward, fullgraph=True, dynamic=False) under
+          inference_mode, mode="reduce-overhead" (inductor's CUDA graphs) for T <= 256, the
+          default mode above: the CuTeDSL kernels and quack's grouped GEMMs as custom ops
+          (kernels/compiled_ops.py), the rest fused by inductor;
   hf      the HF transformers block of that family (Qwen3MoeSparseMoeBlock, DeepseekV3MoE,
           MixtralSparseMoeBlock) with experts_implementation="grouped_mm", on the SAME weights
           (our layer is made from it by swap_moe_layers, sharing storage);
@@ -210,7 +211,10 @@ def run_shape(name: str, tokens, bw: float, flops: float, stages: bool = False,
                 y = layer(inputs[0]).float()
                 if compiled:
                     torch._dynamo.reset()
-                    fn = torch.compile(layer, fullgraph=True, dynamic=False)
+                    # (its forward: the swap's output-recording hooks read transformers'
+                    # ContextVar, which dynamo traces only inside a compiled model)
+                    fn = torch.compile(layer.forward, fullgraph=True, dynamic=False,
+                                       mode="reduce-overhead" if T <= 256 else None)
                     row["compiled_us"] = timed_us(fn, inputs)
                     row["compiled_diff"] = float((fn(inputs[0]).float() - y).abs().max()
                                                  / y.abs().max())

@@ -390,7 +390,8 @@ def test_compiled_inference_keeps_the_cutedsl_kernels(monkeypatch, mode):
 def test_custom_ops_pass_torch_opcheck():
     """torch.library.opcheck of every custom op on real inputs: schema, fake implementation
     against the kernel's real output, and AOT dispatch (static and dynamic shapes; outputs
-    compared, so on inputs that leave no row unspecified: align = 1, every row dispatched)."""
+    compared, so on inputs that leave no row unspecified: align = 1, every row dispatched);
+    an op called where autograd would record it raises."""
     from moe_runtime.kernels import compiled_ops, cute_ops  # (registers the ops)
     torch.manual_seed(0)
     T, H, E, k, M = 5, 256, 16, 4, 192
@@ -420,6 +421,12 @@ def test_custom_ops_pass_torch_opcheck():
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
     assert compiled_ops.route(logits, k, with_counts=False)[2] is None
+    # no backward: an input that requires grad, with grad mode on, is refused, not detached
+    with pytest.raises(RuntimeError, match="no backward"):
+        ops.linear_gemv(x, weight[0].detach().requires_grad_())
+    with torch.no_grad():
+        assert torch.equal(ops.linear_gemv(x, weight[0].detach().requires_grad_()),
+                           cute_ops.linear_gemv(x, weight[0]))
 
 
 def test_a_cast_drops_graphs_that_would_not_be_host_sync_free():
