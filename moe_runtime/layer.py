@@ -72,12 +72,11 @@ class MoELayer(nn.Module):
     inside a CUDA-graph capture RuntimeError. Run inference under torch.inference_mode() or
     torch.no_grad() to get the CuTeDSL kernels. Under torch.compile (the `local` topology; the
     multi-rank ones' collectives are not traced) grad mode decides (kernels.resolve_backend):
-    with it off, "auto" and "cute" keep the CuTeDSL routing, dispatch, combine and decode GEMVs
-    as custom ops (kernels/compiled_ops.py) and prefill-sized experts take torch._grouped_mm
-    (not quack); with it on, "auto" is the torch reference kernels and torch._grouped_mm, which
-    dynamo differentiates, and "cute" fails fullgraph=True (otherwise it runs its kernels
-    eagerly between graph breaks, inference only). Compiled
-    training with fullgraph=True works in bf16 (torch._grouped_mm); fp32 / fp16 experts run a
+    with it off, "auto" and "cute" keep the CuTeDSL routing, dispatch, combine, decode GEMVs
+    and quack's prefill grouped GEMMs as custom ops (kernels/compiled_ops.py); with it on,
+    "auto" is the torch reference kernels and torch._grouped_mm, which dynamo differentiates,
+    and "cute" fails fullgraph=True (otherwise it runs its kernels eagerly between graph
+    breaks, inference only). Compiled training with fullgraph=True works in bf16 (torch._grouped_mm); fp32 / fp16 experts run a
     per-expert loop of data-dependent row slices whose backward inductor cannot generate
     (torch 2.13: "expected [u5, u6] to have been codegen-ed"): train those with another
     compile backend (e.g. "aot_eager", fullgraph=True). With fullgraph=False the loop breaks

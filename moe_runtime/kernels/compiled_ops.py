@@ -13,8 +13,9 @@ a data-dependent count. So a compiled graph holds no break and no host sync for 
 The ops are defined with `torch.library.Library` (schema, a CUDA kernel, a fake kernel), not
 `torch.library.custom_op`, for the host cost per call, which inductor's default mode pays on
 every call (H200 host, µs per call of linear_gemv at T = 1 under inference_mode / no_grad,
-bench_out diagnostic op_overhead.py, 2026-12-02: the cute_ops function 23.4 / 25.5, as a
-custom_op 34.6 / 48.3, as a Library op 23.7 / 30.2). They have no autograd formula:
+bench_out diagnostic op_overhead.py, 2026-12-02, two runs: the cute_ops function 23.4 / 25.5
+and 22.6 / 23.6, as a custom_op 34.6 / 48.3, as a Library op 23.7 / 30.2 and 28.1 / 23.6;
+this host's timings move by several us between runs). They have no autograd formula:
 `resolve_backend` picks them only while grad mode is off (torch.no_grad() /
 torch.inference_mode()); compiled training takes the reference kernels. Called with grad mode
 on and an input that requires grad, an op raises RuntimeError (the kernels would drop the
@@ -26,13 +27,13 @@ offset, so the experts take the GEMV anyway): a copy of the weights on every cal
 right; weights as the layer allocates them, or as checkpoints load them, are aligned.
 
 Measured (H200, one Qwen3-30B-A3B layer, bf16, fullgraph=True, inference_mode, us per call
-over 8 inputs back to back, bench_out diagnostic compile_speed.py, 2026-12-02): T = 1 with
-mode="reduce-overhead" 186.8 against 194.0 for the reference kernels compiled (what "auto"
-compiled to before; both bound by the host's work per call), eager 327.9, the layer's own CUDA
-graphs (`MoELayer.enable_cuda_graphs`) 79.2. T = 4096 in inductor's default mode, with quack's
-grouped GEMMs as the op moe_runtime::grouped_gemm: 730.0 against eager 732.1
-(`benchmarks/moe_layer.py --compiled`; 830.7 when compiled code took torch._grouped_mm instead,
-1083.7 with the reference kernels).
+over 8 inputs back to back, `benchmarks/moe_layer.py --compiled`, 2026-12-02; this host's
+Python speed moves by up to 2x between runs): T = 1 with mode="reduce-overhead" 142.6 against
+eager 198.7 and the layer's own CUDA graphs (`MoELayer.enable_cuda_graphs`) 91.1 (186.8 with
+custom_op ops in an earlier run, against 194.0 for the reference kernels compiled); T = 4096
+in the default mode 695.8 / 707.7 against eager 698.8 / 715.6 (two runs; one more gave 928.1
+against 699.0, not repeated in three later runs), where compiled code took torch._grouped_mm
+before quack's GEMMs became the op moe_runtime::grouped_gemm: 830.7 against eager 712.3.
 """
 from __future__ import annotations
 
