@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .expert_loop import expert_loop_linear, loop_linear
 from .kernels import check_backend_name, get_ops, resolve_backend
 from .kernels.grouped_gemm import quack_supported, tile_probe_rows
 from .param_checks import CheckedModule
@@ -88,19 +89,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, u
     """
     if use_grouped:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    bounds = offsets.tolist()
-    compiling = torch.compiler.is_compiling()
-    for e in range(w.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if compiling:  # unbacked sizes: no branch on them (fullgraph / export), bounds stated
-            torch._check(0 <= lo)
-            torch._check(lo <= hi)
-            torch._check(hi <= x.shape[0])
-        elif hi == lo:
-            continue
-        out[lo:hi] = F.linear(x[lo:hi], w[e])
-    return out
+    if torch.compiler.is_compiling():  # (one opaque op with a backward: expert_loop.py)
+        return expert_loop_linear(x, w, offsets)
+    return loop_linear(x, w, offsets)
 
 
 class Experts(CheckedModule):
@@ -116,11 +107,12 @@ class Experts(CheckedModule):
         use_grouped_mm: None = probe the device/dtype; False forces the per-expert loop; True
             skips the probe (the GEMV and quack paths still come first where they apply).
             Weights in a layout torch._grouped_mm rejects (strided views), and fp16 / fp32
-            under torch.compile (its _grouped_mm lowering takes bf16 only), take the loop
-            whatever it says; the GEMV and quack paths need contiguous weights. The loop reads
-            the expert offsets on the host (compiled, they become unbacked sizes: fullgraph=True
-            and torch.export trace it, with a host sync on CUDA; the loop is unrolled, so the
-            first compile takes longer with more experts: ~45 s for 64 on 2 CPU cores).
+            rows under torch.compile where neither the GEMV nor quack applies (the
+            _grouped_mm lowering takes bf16 only), take the loop whatever it says; the GEMV
+            and quack paths need contiguous weights. The loop reads the expert offsets on the
+            host (a host sync on CUDA); compiled or exported, it is one op with a backward
+            (expert_loop.py), so fullgraph=True, inductor training and torch.export take it
+            and no row count recompiles.
         backend: kernel backend of the decode GEMV and the quack grouped GEMM ("auto": CuTeDSL
             on CUDA when importable; "reference": never, torch._grouped_mm instead).
     """

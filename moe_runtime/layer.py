@@ -76,13 +76,10 @@ class MoELayer(nn.Module):
     and quack's prefill grouped GEMMs as custom ops (kernels/compiled_ops.py); with it on,
     "auto" is the torch reference kernels and torch._grouped_mm, which dynamo differentiates,
     and "cute" fails fullgraph=True (otherwise it runs its kernels eagerly between graph
-    breaks, inference only). Compiled training with fullgraph=True works in bf16 (torch._grouped_mm); fp32 / fp16 experts run a
-    per-expert loop of data-dependent row slices whose backward inductor cannot generate
-    (torch 2.13: "expected [u5, u6] to have been codegen-ed"): train those with another
-    compile backend (e.g. "aot_eager", fullgraph=True). With fullgraph=False the loop breaks
-    the graph at its host read of the offsets, and dynamo recompiles the code after the break
-    for every new row count until its recompile limit (8), then runs it uncompiled: correct,
-    but with nothing gained from compiling (CPU, torch 2.13: 34 frames for 9 calls).
+    breaks, inference only). Compiled training with fullgraph=True works in every dtype:
+    bf16 experts take torch._grouped_mm, fp32 / fp16 ones the per-expert loop as one op with
+    a backward (expert_loop.py; inductor could not generate the backward of the loop's
+    data-dependent row slices before, and with graph breaks dynamo recompiled per row count).
 
     Attributes:
         module_aliases: {name: submodule path}, other names under which submodules are

@@ -110,3 +110,26 @@ def test_fake_shapes_match_the_reference(T, align, dtype):
     with FakeTensorMode() as mode:
         out = compiled_ops.route(mode.from_tensor(logits), k, with_counts=False)
     assert out[2] is None and tuple(out[0].shape) == (T, k)
+
+
+def test_ops_refuse_what_autograd_would_record_and_survive_a_reload():
+    """Where autograd would record an op (grad mode on outside inference mode, an input that
+    requires grad) its fake kernel raises, so torch.compile fails at trace time instead of
+    dropping the gradient; no_grad / inference_mode (+ enable_grad) calls run. The ops are
+    marked PT2-compliant, and reloading the module redefines them. (Meta tensors: autograd on
+    a fake CUDA tensor aborts a CPU-only torch.)"""
+    import importlib
+    x = torch.randn(3, 64, device="meta", dtype=torch.bfloat16)
+    w = torch.randn(16, 64, device="meta", dtype=torch.bfloat16).requires_grad_()
+    with pytest.raises(RuntimeError, match="linear_gemv has no backward"):
+        compiled_ops.linear_gemv(x, w)
+    with pytest.raises(RuntimeError, match="linear_gemv has no backward"):
+        torch.compile(compiled_ops.linear_gemv, backend="aot_eager", fullgraph=True)(x, w)
+    with torch.no_grad():
+        assert compiled_ops.linear_gemv(x, w).shape == (3, 16)
+    with torch.inference_mode(), torch.enable_grad():
+        assert compiled_ops.linear_gemv(x, w).shape == (3, 16)
+    importlib.reload(compiled_ops)
+    for name in ("route", "dispatch", "combine", "expert_gemv", "linear_gemv", "grouped_gemm"):
+        assert torch.Tag.pt2_compliant_tag in getattr(torch.ops.moe_runtime, name).default.tags
+    assert compiled_ops.linear_gemv(x, w.detach()).shape == (3, 16)

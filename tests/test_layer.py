@@ -478,8 +478,8 @@ def test_a_layer_on_the_meta_device_says_to_materialize_it():
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_torch_compile_fullgraph_on_cpu(dynamic, dtype):
     """A layer compiles into one graph (no break: the path choice traces, e.g. the weight
-    layout check; fp16 / fp32 take the per-expert loop, whose host-read bounds are unbacked
-    sizes with no branch on them: it broke fullgraph before) and matches eager; dynamo has
+    layout check; fp16 / fp32 take the per-expert loop, one op under compile: its host read
+    broke fullgraph before) and matches eager; dynamo has
     nothing to warn about (it warned that it traced through an lru_cache'd probe)."""
     import warnings
     torch._dynamo.reset()
@@ -493,6 +493,40 @@ def test_torch_compile_fullgraph_on_cpu(dynamic, dtype):
             x = torch.randn(T, 32, dtype=dtype)
             torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
     assert not [w for w in seen if "lru_cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_inductor_trains_a_looping_layer_in_one_graph(dtype):
+    """torch.compile(fullgraph=True, dynamic=True) with inductor of an fp32 / fp16 layer in
+    training (the experts' per-expert loop, expert_loop.py: inductor could not generate the
+    backward of its host-read row slices, "expected [u9, u10] to have been codegen-ed"):
+    T = 9 and 13 compile nothing after T = 6 (T = 0 is a size dynamo always specializes),
+    outputs and every gradient equal to eager's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    cfg = MoEConfig(hidden_size=32, num_experts=8, top_k=2, moe_intermediate_size=16, dtype=dtype,
+                    shared_expert_intermediate_size=16)
+    layer = MoELayer(cfg, backend="reference")
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=cnt)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for T in (6, 9, 13, 0):
+        x = torch.randn(T, 32, dtype=dtype)
+        runs = []
+        for fn in (compiled, layer):
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            y.float().square().sum().backward()
+            runs.append([y, xi.grad, *(p.grad for p in layer.parameters())])
+        for got, want in zip(*runs):
+            assert got is not None and want is not None
+            torch.testing.assert_close(got, want, **tol)
+        if T == 6:
+            first = cnt.frame_count  # (dynamo may restart its first analysis: 1 or 2)
+        elif T in (9, 13):
+            assert cnt.frame_count == first, T
 
 
 def test_torch_compile_dynamic_token_counts_compile_once():
@@ -512,7 +546,7 @@ def test_torch_compile_dynamic_token_counts_compile_once():
 def test_torch_export_with_a_dynamic_token_count(dtype):
     """The reference dispatch sizes everything from shapes (no host read of the routing), so a
     layer exports (non-strict) with a dynamic sequence length and matches eager (fp16 / fp32:
-    the per-expert loop's bounds are unbacked sizes, which failed export before)."""
+    the per-expert loop, one op there; its host-read bounds failed export before)."""
     from torch.export import Dim
     layer = _shared_layer(dtype).eval()
     ep = torch.export.export(layer, (torch.randn(2, 5, 16, dtype=dtype),),

@@ -17,9 +17,9 @@ bench_out diagnostic op_overhead.py, 2026-12-02, two runs: the cute_ops function
 and 22.6 / 23.6, as a custom_op 34.6 / 48.3, as a Library op 23.7 / 30.2 and 28.1 / 23.6;
 this host's timings move by several us between runs). They have no autograd formula:
 `resolve_backend` picks them only while grad mode is off (torch.no_grad() /
-torch.inference_mode()); compiled training takes the reference kernels. Called with grad mode
-on and an input that requires grad, an op raises RuntimeError (the kernels would drop the
-gradient).
+torch.inference_mode()); compiled training takes the reference kernels. Where autograd would
+record an op (grad mode on outside inference mode, an input that requires grad) it raises
+RuntimeError, eagerly and while torch.compile traces, rather than drop the gradient.
 Inputs that the kernels would refuse for their layout alone (not contiguous, or not 16-byte
 aligned: a view the compiled graph passes) are copied first, as the torch ops would take them.
 That includes expert weights viewed at an unaligned storage offset (dynamo cannot test the
@@ -45,24 +45,38 @@ from torch import Tensor
 from . import cute_ops
 from .reference import dispatch_capacity
 
+if "_LIB" in globals():  # importlib.reload: a namespace is defined once per process
+    globals()["_LIB"]._destroy()
 _LIB = torch.library.Library("moe_runtime", "DEF")
+
+
+def _refuse_autograd(name: str, args: tuple) -> None:
+    """RuntimeError where autograd would record the op (the rule of kernels.autograd_records:
+    grad mode on outside inference mode, an input that requires grad)."""
+    if (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+        raise RuntimeError(f"moe_runtime::{name} has no backward: call it under "
+                           "torch.no_grad() or torch.inference_mode()")
 
 
 def _op(schema: str, fake: Callable) -> Callable:
     """Decorator: define moe_runtime::<schema> with the decorated function as its CUDA kernel
-    and `fake` as its fake (shape-only) kernel; returns the function unchanged."""
+    and `fake` as its fake (shape-only) kernel, both refusing calls autograd would record
+    (the fake one while torch.compile traces, where the CUDA one would run inside
+    AOTAutograd's forward with grad mode off); returns the function unchanged."""
     name = schema.split("(", 1)[0]
 
     def define(fn: Callable) -> Callable:
         def kernel(*args):
-            if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
-                                               for a in args):
-                raise RuntimeError(f"moe_runtime::{name} has no backward: call it under "
-                                   "torch.no_grad() or torch.inference_mode()")
+            _refuse_autograd(name, args)
             return fn(*args)
-        _LIB.define(schema)
+
+        def fake_kernel(*args):
+            _refuse_autograd(name, args)
+            return fake(*args)
+        _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
         _LIB.impl(name, kernel, "CUDA")
-        torch.library.register_fake(f"moe_runtime::{name}", fake, lib=_LIB)
+        torch.library.register_fake(f"moe_runtime::{name}", fake_kernel, lib=_LIB)
         return fn
     return define
 
@@ -180,7 +194,7 @@ def linear_gemv(x: Tensor, weight: Tensor) -> Tensor:
      expected_rows: _expert_gemv_fake(x, expert_offsets, weight, swiglu))
 def _grouped_gemm(x, expert_offsets, weight, swiglu, expected_rows):
     run = cute_ops.swiglu_grouped_gemm if swiglu else cute_ops.grouped_gemm
-    return run(x, _dense(expert_offsets), _dense(weight), expected_rows=expected_rows)
+    return run(_dense(x), _dense(expert_offsets), _dense(weight), expected_rows=expected_rows)
 
 
 def swiglu_grouped_gemm(x: Tensor, expert_offsets: Tensor, gate_up_proj: Tensor, *,
