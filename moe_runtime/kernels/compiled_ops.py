@@ -45,9 +45,9 @@ from torch import Tensor
 from . import cute_ops
 from .reference import dispatch_capacity
 
-if "_LIB" in globals():  # importlib.reload: a namespace is defined once per process
+if "_LIB" in globals():  # importlib.reload: an op is defined once per process
     globals()["_LIB"]._destroy()
-_LIB = torch.library.Library("moe_runtime", "DEF")
+_LIB = torch.library.Library("moe_runtime", "FRAGMENT")  # (expert_loop.py defines ops there too)
 
 
 def _refuse_autograd(name: str, args: tuple) -> None:
