@@ -10,9 +10,12 @@ bounds would be unbacked sizes: inductor could not generate the backward of thei
 (torch 2.13, fullgraph=True: "expected [u9, u10] to have been codegen-ed"), and with graph
 breaks dynamo recompiled the code after the read for every new row count. As the op
 `moe_runtime::expert_loop_linear` (fake kernel: [N, M] from the shapes) the compiled graph
-holds one opaque call whose backward is two more loops: grad_x = the same op on grad and the
-transposed weights, grad_w[e] = grad[rows of e].T @ x[rows of e] (`moe_runtime::
-expert_loop_weight_grad`). No double backward.
+holds one opaque call whose backward is one more loop (`moe_runtime::expert_loop_backward`:
+grad_x[r] = grad[r] @ w[e], grad_w[e] = grad[rows of e].T @ x[rows of e], one host read). No
+double backward. Both ops are tagged cudagraph_unsafe: mode="reduce-overhead" leaves a graph
+holding them out of its CUDA graphs (a replay would reuse the captured row bounds).
+One difference from the eager loop: with no rows at all (T = 0) the op gives the weights zero
+gradients, where the eager loop leaves them None (eager torch._grouped_mm gives zeros too).
 """
 from __future__ import annotations
 
@@ -33,7 +36,12 @@ def loop_linear(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return out
 
 
-@torch.library.custom_op("moe_runtime::expert_loop_linear", mutates_args=())
+# cudagraph_unsafe: the host read of the offsets must not be captured in inductor's CUDA graphs
+# (mode="reduce-overhead" then runs the graph that holds it without them)
+_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op("moe_runtime::expert_loop_linear", mutates_args=(), tags=_TAGS)
 def expert_loop_linear(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """loop_linear as a torch op with a backward (see the module docstring)."""
     return loop_linear(x, w, offsets)
@@ -44,21 +52,31 @@ def _(x, w, offsets):
     return x.new_empty(x.shape[0], w.shape[1])
 
 
-@torch.library.custom_op("moe_runtime::expert_loop_weight_grad", mutates_args=())
-def expert_loop_weight_grad(grad: Tensor, x: Tensor, offsets: Tensor, num_experts: int) -> Tensor:
-    """[E, M, K] in x.dtype: grad[rows of e].T @ x[rows of e] (zero for an expert with no rows)."""
-    out = torch.zeros(num_experts, grad.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+@torch.library.custom_op("moe_runtime::expert_loop_backward", mutates_args=(), tags=_TAGS)
+def expert_loop_backward(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, need_x: bool,
+                         need_w: bool) -> tuple[Tensor, Tensor]:
+    """The gradients of expert_loop_linear with one host read of the offsets: grad_x [N, K]
+    (grad[r] @ w[e], zero past offsets[E]) and grad_w [E, M, K] in w.dtype
+    (grad[rows of e].T @ x[rows of e], zero for an expert with no rows); an empty tensor for
+    one not needed."""
+    E, N = w.shape[0], x.shape[0]
+    grad_x = grad.new_zeros(N if need_x else 0, x.shape[1])
+    grad_w = w.new_zeros(w.shape if need_w else (0,))
     bounds = offsets.tolist()
-    for e in range(num_experts):
+    for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            out[e] = grad[lo:hi].transpose(0, 1) @ x[lo:hi]
-    return out
+            if need_x:
+                grad_x[lo:hi] = grad[lo:hi] @ w[e]
+            if need_w:
+                grad_w[e] = grad[lo:hi].transpose(0, 1) @ x[lo:hi]
+    return grad_x, grad_w
 
 
-@expert_loop_weight_grad.register_fake
-def _(grad, x, offsets, num_experts):
-    return x.new_empty(num_experts, grad.shape[1], x.shape[1])
+@expert_loop_backward.register_fake
+def _(grad, x, w, offsets, need_x, need_w):
+    return (grad.new_empty(x.shape[0] if need_x else 0, x.shape[1]),
+            w.new_empty(w.shape if need_w else (0,)))
 
 
 def _save(ctx, inputs, output):
@@ -68,12 +86,9 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, w, offsets = ctx.saved_tensors
-    grad_x = grad_w = None
-    if ctx.needs_input_grad[0]:
-        grad_x = expert_loop_linear(grad, w.transpose(1, 2), offsets)
-    if ctx.needs_input_grad[1]:
-        grad_w = expert_loop_weight_grad(grad, x, offsets, w.shape[0]).to(w.dtype)
-    return grad_x, grad_w, None
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x, grad_w = expert_loop_backward(grad, x, w, offsets, need_x, need_w)
+    return grad_x if need_x else None, grad_w if need_w else None, None
 
 
 expert_loop_linear.register_autograd(_backward, setup_context=_save)
