@@ -14,8 +14,6 @@ holds one opaque call whose backward is one more loop (`moe_runtime::expert_loop
 grad_x[r] = grad[r] @ w[e], grad_w[e] = grad[rows of e].T @ x[rows of e], one host read). No
 double backward. Both ops are tagged cudagraph_unsafe: mode="reduce-overhead" leaves a graph
 holding them out of its CUDA graphs (a replay would reuse the captured row bounds).
-One difference from the eager loop: with no rows at all (T = 0) the op gives the weights zero
-gradients, where the eager loop leaves them None (eager torch._grouped_mm gives zeros too).
 """
 from __future__ import annotations
 
@@ -26,13 +24,17 @@ from torch import Tensor
 
 def loop_linear(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """out [N, M] in x.dtype from x [N, K], w [E, M, K] and int32 offsets [E + 1] (read on the
-    host): out[r] = x[r] @ w[e].T for offsets[e] <= r < offsets[e + 1], zero past offsets[E]."""
+    host): out[r] = x[r] @ w[e].T for offsets[e] <= r < offsets[e + 1], zero past offsets[E].
+    With no rows at all, out still depends on w (autograd gives it a zero gradient, as for
+    torch._grouped_mm, not None: a data-parallel rank with no tokens reduces zeros)."""
     out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
     bounds = offsets.tolist()
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
             out[lo:hi] = F.linear(x[lo:hi], w[e])
+    if bounds[-1] == 0 and w.shape[0]:
+        out[:0] = F.linear(x[:0], w[0])
     return out
 
 

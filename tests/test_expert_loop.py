@@ -41,3 +41,17 @@ def test_opcheck_and_cudagraph_unsafe_tags():
     torch.library.opcheck(expert_loop_linear, (x.requires_grad_(), w.requires_grad_(), offsets))
     for op in (torch.ops.moe_runtime.expert_loop_linear, torch.ops.moe_runtime.expert_loop_backward):
         assert torch.Tag.cudagraph_unsafe in op.default.tags
+
+
+@pytest.mark.parametrize("N", [0, 3])
+def test_no_rows_give_zero_gradients_not_none(N):
+    """Every expert empty (T = 0, or only padding rows): the eager loop and the op both give x
+    and w zero gradients (None made a data-parallel rank with no tokens skip its reduction)."""
+    offsets = torch.zeros(5, dtype=torch.int32)
+    x, w = torch.randn(N, 6, requires_grad=True), torch.randn(4, 5, 6, requires_grad=True)
+    for fn in (loop_linear, expert_loop_linear):
+        x.grad = w.grad = None
+        out = fn(x, w, offsets)
+        assert out.shape == (N, 5) and not out.any()
+        out.sum().backward()
+        assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(x.grad, torch.zeros_like(x))
