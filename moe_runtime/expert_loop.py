@@ -14,6 +14,9 @@ holds one opaque call whose backward is one more loop (`moe_runtime::expert_loop
 grad_x[r] = grad[r] @ w[e], grad_w[e] = grad[rows of e].T @ x[rows of e], one host read). No
 double backward. Both ops are tagged cudagraph_unsafe: mode="reduce-overhead" leaves a graph
 holding them out of its CUDA graphs (a replay would reuse the captured row bounds).
+inductor's on-disk caches key a compiled training graph without the op's autograd formula
+(torch 2.13): after an upgrade that changes it, empty the cache (TORCHINDUCTOR_CACHE_DIR) or a
+cached graph may call a backward op that no longer exists.
 """
 from __future__ import annotations
 

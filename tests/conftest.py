@@ -8,6 +8,9 @@ import torch
 
 # PTX kept by compile-only tests (--keep-ptx) goes to a temporary folder, not the checkout's root
 os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="moe_ptx_"))
+# inductor's on-disk caches start empty per run: their keys leave out a custom op's autograd
+# formula, so graphs cached by an older checkout's ops (expert_loop.py) would be reused
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="moe_inductor_"))
 
 
 def pytest_collection_modifyitems(config, items):
