@@ -193,16 +193,52 @@ def _check(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> None:
                          f"{offsets.device}, {w.device}")
 
 
-def _run(x: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor, activation,
+# quack's launch plans, one per (SwiGLU or not, tile, device index, dtype, K, weight shape and
+# strides). quack's torch-facing gemm_act resolves the plan again on every call (config,
+# epilogue module, a plan-cache key over every operand; its own warm fast path skips the concat
+# [gate; up] layout). Here EpiMod.gemm resolves it once (and launches that call) and later calls
+# allocate the output and launch through quack.gemm_runtime.host.run_gemm_epi_plan, as quack's
+# warm path does. Host µs per call on an H200 host (bench_out diagnostic gemm_host.py,
+# 2026-12-02, Qwen3-30B-A3B T = 256 / 4096, min of 3 rounds): gate/up 15.1 / 15.6 against
+# 50.9 / 52.8 through gemm_act, down 16.3 / 17.1 against 31.8 / 33.8; the eager layer's host
+# time per forward 178-207 against 244-291 µs (eager_ab.py, T = 64..4096), outputs bit-equal.
+# The row count N is not in the key: a plan is built from dtypes and majors (row-major x and
+# output here) and quack compiles M as a symbolic size, so one plan serves every T (quack's
+# own key holds N: a plan resolution per new prefill size).
+_PLANS: dict[tuple, object] = {}
+
+
+def _run(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, gated: bool,
          expected_rows: int | None) -> torch.Tensor:
-    from quack.gemm_interface import gemm_act
-    kw = dict(concat_layout=("B",)) if activation == "swiglu" else {}
+    """out = act(x @ w[e].T) per expert segment, w [E, M, K] HF layout (K-major rows): gated
+    (SwiGLU over [gate; up] halves of M) -> [N, M // 2], else -> [N, M]."""
+    from quack.gemm_runtime.host import run_gemm_epi_plan
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], dtype=x.dtype,
+                      device=x.device)
+    if x.numel() == 0:
+        return out.zero_()  # (no rows, or K = 0: x @ w.T is zero, as is silu(0) * 0)
     rows = x.shape[0] if expected_rows is None else expected_rows
     index = x.device.index  # (a CUDA tensor's device always has an index)
-    tile = tile_config(rows / b.shape[0], "gate_up" if activation == "swiglu" else "down",
-                       _major(index))
-    _, out = gemm_act(x.contiguous(), b, activation=activation, cu_seqlens_m=offsets,
-                      store_preact=False, tuned=False, config=_config(index, tile), **kw)
+    tile = tile_config(rows / w.shape[0], "gate_up" if gated else "down", _major(index))
+    # B crosses as quack's (k, n) view [E, K, M], except with the concat [gate; up] layout, which
+    # quack reads from the physical [E, M, K] (its b_kn relabel does not apply there)
+    b = w if gated else w.mT
+    epi = {"mAuxOut": out}
+    key = (gated, tile, index, x.dtype, x.shape[1], b.shape, b.stride())
+    plan = _PLANS.get(key)
+    if plan is not None:
+        run_gemm_epi_plan(plan, x, b, None, None, epi, cu_seqlens_m=offsets)
+        return out
+    from quack.epilogue.library import linear_act_mod
+    mod = linear_act_mod("swiglu" if gated else None, gated=gated, has_c=False,
+                         has_rowvec=False, has_colvec=False)
+    cfg = _config(index, tile)
+    _PLANS[key] = mod.gemm(
+        x, b, None, None, epi_args=epi, tile_M=cfg.tile_m, tile_N=cfg.tile_n, tile_K=cfg.tile_k,
+        cluster_M=cfg.cluster_m, cluster_N=cfg.cluster_n, pingpong=cfg.pingpong,
+        persistent=True, is_dynamic_persistent=False, max_swizzle_size=cfg.max_swizzle_size,
+        cu_seqlens_m=offsets, b_kn=not gated, concat_layout=("B",) if gated else None)
     return out
 
 
@@ -224,7 +260,7 @@ def swiglu_grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor,
         ValueError / TypeError: mismatched shapes, dtypes or devices; non-contiguous weights.
     """
     _check(x, expert_offsets, gate_up_proj)
-    return _run(x, expert_offsets, gate_up_proj.transpose(-2, -1), "swiglu", expected_rows)
+    return _run(x, expert_offsets, gate_up_proj, True, expected_rows)
 
 
 def grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor, *,
@@ -244,4 +280,4 @@ def grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Te
         ValueError / TypeError: mismatched shapes, dtypes or devices; non-contiguous weights.
     """
     _check(x, expert_offsets, weight)
-    return _run(x, expert_offsets, weight.transpose(-2, -1), None, expected_rows)
+    return _run(x, expert_offsets, weight, False, expected_rows)

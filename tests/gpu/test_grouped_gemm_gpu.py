@@ -91,6 +91,37 @@ def test_zero_rows_and_bad_inputs():
         gg.swiglu_grouped_gemm(x, offsets.cpu(), w13)
 
 
+def test_cached_plans_launch_what_quack_gemm_act_computes(monkeypatch):
+    """One launch plan per GEMM serves every row count (kernels/grouped_gemm.py, _PLANS): bit for
+    bit quack's own gemm_act at row counts other than the first call's, outputs NaN-poisoned."""
+    from quack.gemm_interface import gemm_act
+    monkeypatch.setattr(gg, "_PLANS", {})
+    E, H, I = 16, 1024, 384
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    major = torch.cuda.get_device_capability()[0]
+    cfg = {name: gg._config(0, gg.tile_config(64, name, major)) for name in ("gate_up", "down")}
+    random = torch.bincount(torch.randint(0, E, (3001,), generator=g, device="cuda"),
+                            minlength=E).tolist()
+    for counts in ([64] * E, random, [1] + [0] * (E - 1), [0] * (E - 1) + [129]):
+        offsets = _offsets(counts)
+        n = int(offsets[-1])
+        x = torch.randn(n + 3, H, device="cuda", generator=g).bfloat16()
+        poison = [torch.full((n + 3, m), float("nan"), device="cuda", dtype=torch.bfloat16)
+                  for m in (I, H)]  # (the caching allocator hands these blocks to the outputs)
+        del poison
+        act = gg.swiglu_grouped_gemm(x, offsets, w13, expected_rows=64 * E)
+        _, want = gemm_act(x, w13.mT, activation="swiglu", cu_seqlens_m=offsets, tuned=False,
+                           store_preact=False, config=cfg["gate_up"], concat_layout=("B",))
+        assert torch.equal(act[:n], want[:n])
+        y = gg.grouped_gemm(act, offsets, w2, expected_rows=64 * E)
+        _, want = gemm_act(act, w2.mT, activation=None, cu_seqlens_m=offsets, tuned=False,
+                           store_preact=False, config=cfg["down"])
+        assert torch.equal(y[:n], want[:n])
+    assert len(gg._PLANS) == 2
+
+
 def test_experts_take_the_quack_path_above_gemv_rows():
     """Experts.forward picks quack for prefill rows and matches the torch grouped path."""
     E, H, I = 16, 1024, 512
@@ -111,6 +142,7 @@ def test_experts_warm_up_runs_every_tile_configuration(monkeypatch):
     experts = Experts(E, H, I, dtype=torch.bfloat16, device="cuda")
     seen = []
     real = gg._config
+    monkeypatch.setattr(gg, "_PLANS", {})  # (no plan from earlier tests: each config resolves)
     monkeypatch.setattr(gg, "_config", lambda index, tile: seen.append(tile) or real(index, tile))
     experts.warm_up()
     major = torch.cuda.get_device_capability()[0]
