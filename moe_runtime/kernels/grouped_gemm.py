@@ -9,9 +9,9 @@ for DeepSeek-V3 at T=4096 and 4.3 instead of 5.2 ms for Mixtral at T=4096; the p
 below (`tile_config`) bring DeepSeek-V3 at T=4096 to 4.8 + 2.4 ms (GEMMs timed alone).
 
 Layouts are HF transformers' fused expert weights (experts.py): gate_up_proj [E, 2I, H] with the
-gate rows first, down_proj [E, H, I]. They enter quack as the transposed views [E, H, 2I] and
-[E, I, H] (K-major B operands, no copy); `concat_layout=("B",)` tells quack's gated epilogue that
-B's N dimension holds [gate; up] rather than interleaved pairs.
+gate rows first, down_proj [E, H, I], both K-major B operands (no copy): down_proj enters quack
+as its (k, n) view [E, I, H], gate_up_proj as stored, with `concat_layout=("B",)`, which tells
+quack's gated epilogue that B's N dimension holds [gate; up] rather than interleaved pairs.
 """
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ def _run(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, gated: bool,
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], dtype=x.dtype,
                       device=x.device)
-    if x.numel() == 0:
+    if x.numel() == 0 or out.numel() == 0:
         return out.zero_()  # (no rows, or K = 0: x @ w.T is zero, as is silu(0) * 0)
     rows = x.shape[0] if expected_rows is None else expected_rows
     index = x.device.index  # (a CUDA tensor's device always has an index)
@@ -232,7 +232,8 @@ def _run(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, gated: bool,
         return out
     from quack.epilogue.library import linear_act_mod
     mod = linear_act_mod("swiglu" if gated else None, gated=gated, has_c=False,
-                         has_rowvec=False, has_colvec=False)
+                         has_rowvec=False, has_colvec=False, sr=False, has_alpha=False)
+    # (the arguments gemm_act passes: the same cached epilogue module and compiled kernels)
     cfg = _config(index, tile)
     _PLANS[key] = mod.gemm(
         x, b, None, None, epi_args=epi, tile_M=cfg.tile_m, tile_N=cfg.tile_n, tile_K=cfg.tile_k,

@@ -92,34 +92,43 @@ def test_zero_rows_and_bad_inputs():
 
 
 def test_cached_plans_launch_what_quack_gemm_act_computes(monkeypatch):
-    """One launch plan per GEMM serves every row count (kernels/grouped_gemm.py, _PLANS): bit for
-    bit quack's own gemm_act at row counts other than the first call's, outputs NaN-poisoned."""
+    """One launch plan per GEMM and tile serves every row count and every layer's weights of one
+    shape (kernels/grouped_gemm.py, _PLANS): bit for bit quack's own gemm_act at row counts and
+    weights other than the first call's. (Rows the plan left unwritten would hold stale memory,
+    NaN poison or an earlier call's outputs on other inputs, never gemm_act's values.)"""
     from quack.gemm_interface import gemm_act
     monkeypatch.setattr(gg, "_PLANS", {})
     E, H, I = 16, 1024, 384
     g = torch.Generator(device="cuda").manual_seed(5)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    layers = [((torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16(),
+               (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16())
+              for _ in range(2)]
+    index = torch.cuda.current_device()
     major = torch.cuda.get_device_capability()[0]
-    cfg = {name: gg._config(0, gg.tile_config(64, name, major)) for name in ("gate_up", "down")}
     random = torch.bincount(torch.randint(0, E, (3001,), generator=g, device="cuda"),
                             minlength=E).tolist()
-    for counts in ([64] * E, random, [1] + [0] * (E - 1), [0] * (E - 1) + [129]):
-        offsets = _offsets(counts)
-        n = int(offsets[-1])
-        x = torch.randn(n + 3, H, device="cuda", generator=g).bfloat16()
-        poison = [torch.full((n + 3, m), float("nan"), device="cuda", dtype=torch.bfloat16)
-                  for m in (I, H)]  # (the caching allocator hands these blocks to the outputs)
-        del poison
-        act = gg.swiglu_grouped_gemm(x, offsets, w13, expected_rows=64 * E)
-        _, want = gemm_act(x, w13.mT, activation="swiglu", cu_seqlens_m=offsets, tuned=False,
-                           store_preact=False, config=cfg["gate_up"], concat_layout=("B",))
-        assert torch.equal(act[:n], want[:n])
-        y = gg.grouped_gemm(act, offsets, w2, expected_rows=64 * E)
-        _, want = gemm_act(act, w2.mT, activation=None, cu_seqlens_m=offsets, tuned=False,
-                           store_preact=False, config=cfg["down"])
-        assert torch.equal(y[:n], want[:n])
-    assert len(gg._PLANS) == 2
+    hints = (64, 128)  # rows per expert: the default tiles, and ONE_TILE_192 on sm_90
+    for r in hints:
+        cfg = {name: gg._config(index, gg.tile_config(r, name, major)) for name in ("gate_up", "down")}
+        for counts in ([64] * E, random, [1] + [0] * (E - 1), [0] * (E - 1) + [129]):
+            offsets = _offsets(counts)
+            n = int(offsets[-1])
+            for w13, w2 in layers:
+                x = torch.randn(n + 3, H, device="cuda", generator=g).bfloat16()
+                poison = [torch.full((n + 3, m), float("nan"), device="cuda", dtype=torch.bfloat16)
+                          for m in (I, H)]  # (the caching allocator hands these blocks out next)
+                del poison
+                act = gg.swiglu_grouped_gemm(x, offsets, w13, expected_rows=r * E)
+                _, want = gemm_act(x, w13.mT, activation="swiglu", cu_seqlens_m=offsets,
+                                   tuned=False, store_preact=False, config=cfg["gate_up"],
+                                   concat_layout=("B",))
+                assert torch.equal(act[:n], want[:n])
+                y = gg.grouped_gemm(act, offsets, w2, expected_rows=r * E)
+                _, want = gemm_act(act, w2.mT, activation=None, cu_seqlens_m=offsets, tuned=False,
+                                   store_preact=False, config=cfg["down"])
+                assert torch.equal(y[:n], want[:n])
+    tiles = {(name, gg.tile_config(r, name, major)) for r in hints for name in ("gate_up", "down")}
+    assert len(gg._PLANS) == len(tiles) == (4 if major == 9 else 2)
 
 
 def test_experts_take_the_quack_path_above_gemv_rows():
