@@ -347,7 +347,7 @@ def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, d
 
     Raises:
         CheckpointError: missing tensor, shape mismatch or a stored dtype other than F32 / BF16 /
-            F16 (names the tensor and the file).
+            F16 / F64 (names the tensor and the file).
         ValueError: unsupported model_type / dtype, a quantized checkpoint
             (`quantization_config`), or heads/experts not divisible for the world.
     """
