@@ -274,7 +274,11 @@ class SharedExpert(CheckedModule):
 
     y = down(silu(gate_proj(x)) * up_proj(x)) [* sigmoid(x @ gate.T) when gated (Qwen2-MoE)].
     Submodule names follow HF: gate_proj, up_proj, down_proj (nn.Linear, no bias), and the
-    optional `gate` of [1, H].
+    optional `gate` of [1, H]. The projections stay nn.Linear (cuBLAS) at every T: the CuTeDSL
+    GEMV (cute_ops.linear_gemv, one expert) for them was slower on the H200 (CUDA-graph replay,
+    bf16, 2026-12-02, bench_out diagnostic shared_gemv.py): H 7168 / I 2048 (DeepSeek-V3) at
+    T = 1 / 8 61.7 / 87.9 µs against 39.3 / 38.6, H 2048 / I 5632 40.2 / 74.1 against 31.3 /
+    31.3 (one expert gives its grid too few blocks to stream a dense weight at full rate).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, gated: bool,
