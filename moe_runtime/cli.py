@@ -98,8 +98,10 @@ RAY_ADDRESS_HELP = ('join this Ray cluster ("auto" or host:port); default: $RAY_
                     'set, else start Ray embedded')
 
 
-def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDRESS_HELP) -> None:
-    """Arguments shared by generate and demo (and the deploy job entry)."""
+def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDRESS_HELP,
+                    progress: bool = True) -> None:
+    """Arguments shared by generate and demo (and the deploy job entry). progress: whether the
+    loading progress bars are on by default (--no-progress turns them off; else --progress on)."""
     from .engine.driver import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TOPOLOGY_CHOICES
     p.add_argument("--world-size", type=_int_at_least(1), default=1, help="ranks, one Ray actor each")
     p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto",
@@ -130,7 +132,12 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
                    default=300.0,
                    help="bound on each phase (start, load), seconds; generation may run "
                         "longer while it makes progress within every such interval")
-    p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no loading progress bars")
+    else:
+        p.add_argument("--progress", dest="no_progress", action="store_false",
+                       help="show the loading progress bars")
+        p.set_defaults(no_progress=True)
     p.add_argument("--eager", action="store_true",
                    help="run every decode step eagerly (default: replayed from a CUDA graph on "
                         "one GPU, or by every rank when the MoE topologies exchange over NCCL; "
@@ -155,10 +162,8 @@ def _add_generate(sub) -> None:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="tiny Qwen3-MoE checkpoint (cached), 2 CPU ranks, embedded Ray",
                        formatter_class=DefaultsHelp)
-    add_engine_args(p)
-    p.add_argument("--progress", dest="no_progress", action="store_false",
-                   help="show the loading progress bars (off in the demo)")
-    p.set_defaults(world_size=2, max_new_tokens=16, device="cpu", no_progress=True)
+    add_engine_args(p, progress=False)
+    p.set_defaults(world_size=2, max_new_tokens=16, device="cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:

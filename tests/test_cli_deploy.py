@@ -476,6 +476,10 @@ def test_help_shows_defaults(capsys):
     assert build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--eager"]).eager
     assert build_parser().parse_args(["demo"]).no_progress  # the demo's bars: off unless asked
     assert not build_parser().parse_args(["demo", "--progress"]).no_progress
+    assert "--no-progress" not in out  # (one switch per command: the demo has --progress only)
+    assert not build_parser().parse_args(["generate", "--model", "m", "--prompt", "p"]).no_progress
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--progress"])
 
 
 def test_prompts_file_bom_is_not_prompt_text(tmp_path):
