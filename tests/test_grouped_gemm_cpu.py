@@ -108,3 +108,69 @@ def test_one_tile_192_is_for_sm90_only():
 def test_tile_config_rejects_unknown_gemm():
     with pytest.raises(ValueError, match="gate_up"):
         gg.tile_config(128, "up")
+
+
+def test_plans_resolve_once_per_metadata_and_serve_every_row_count(monkeypatch):
+    """_run with quack's plan builder and launcher stubbed (no GPU here; the real ones against
+    quack's gemm_act: tests/gpu/test_grouped_gemm_gpu.py): one plan per (SwiGLU or not, tile,
+    weights' metadata), resolved with the arguments gemm_act passes (gate_up_proj as stored with
+    the concat [gate; up] layout, down_proj as its (k, n) view), and every later call of any row
+    count launched from it; no rows: zeros, nothing launched."""
+    import sys
+    import types
+    calls = []
+
+    class Mod:
+        def __init__(self, args):
+            self.args = args
+
+        def gemm(self, A, B, D, C, **kw):
+            calls.append(("resolve", self.args, A.shape[0], B, D, C, kw))
+            return ("plan", len(calls))
+
+    def run_gemm_epi_plan(plan, A, B, D, C, epi, cu_seqlens_m=None):
+        calls.append(("launch", plan, A.shape[0], B, D, C, epi, cu_seqlens_m))
+
+    library = types.SimpleNamespace(linear_act_mod=lambda act, **kw: Mod((act, kw)))
+    host = types.SimpleNamespace(run_gemm_epi_plan=run_gemm_epi_plan)
+    for name, mod in (("quack", types.ModuleType("quack")), ("quack.epilogue.library", library),
+                      ("quack.gemm_runtime.host", host)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setitem(sys.modules, "quack.epilogue", types.SimpleNamespace(library=library))
+    monkeypatch.setitem(sys.modules, "quack.gemm_runtime", types.SimpleNamespace(host=host))
+    monkeypatch.setattr(gg, "_PLANS", {})
+    monkeypatch.setattr(gg, "_major", lambda index: 9)
+    monkeypatch.setattr(gg, "_config", lambda index, tile: types.SimpleNamespace(
+        tile_m=tile[0], tile_n=tile[1], pingpong=tile[2], cluster_m=tile[3], cluster_n=tile[4],
+        tile_k=None, max_swizzle_size=8))
+    _, offsets, w13, w2 = _args()
+    E, I, H = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    for n in (10, 3, 1000):  # (one tile: 64 expected rows per expert)
+        act = gg._run(torch.randn(n, H, dtype=torch.bfloat16), offsets, w13, True, 64 * E)
+        assert act.shape == (n, I) and act.dtype == torch.bfloat16
+        y = gg._run(act, offsets, w2, False, 64 * E)
+        assert y.shape == (n, H)
+    resolves = [c for c in calls if c[0] == "resolve"]
+    launches = [c for c in calls if c[0] == "launch"]
+    assert [c[2] for c in resolves] == [10, 10] and [c[2] for c in launches] == [3, 3, 1000, 1000]
+    gate_up, down = resolves
+    assert gate_up[1] == ("swiglu", dict(gated=True, has_c=False, has_rowvec=False,
+                                         has_colvec=False, sr=False, has_alpha=False))
+    assert down[1][0] is None and not down[1][1]["gated"]
+    assert gate_up[3] is w13 and gate_up[6]["concat_layout"] == ("B",) and not gate_up[6]["b_kn"]
+    b = down[3]
+    assert (b.data_ptr(), b.shape, b.stride()) == (w2.data_ptr(), w2.mT.shape, w2.mT.stride())
+    assert down[6]["concat_layout"] is None and down[6]["b_kn"]
+    for c in resolves:
+        kw = c[6]
+        assert c[4] is None and c[5] is None and kw["cu_seqlens_m"] is offsets
+        assert kw["persistent"] and not kw["is_dynamic_persistent"]
+        assert (kw["tile_M"], kw["tile_N"]) == gg.tile_config(64, "gate_up" if c is gate_up else "down")[:2]
+        assert list(kw["epi_args"]) == ["mAuxOut"]
+    assert [c[1] for c in launches] == [("plan", 1), ("plan", 2)] * 2  # the plans resolved first
+    assert all(c[7] is offsets and list(c[6]) == ["mAuxOut"] for c in launches)
+    gg._run(torch.randn(5, H, dtype=torch.bfloat16), offsets, w13, True, 128 * E)  # another tile
+    assert calls[-1][0] == "resolve" and calls[-1][6]["tile_M"] == gg.ONE_TILE_192[0]
+    n_calls = len(calls)
+    empty = gg._run(torch.empty(0, H, dtype=torch.bfloat16), offsets, w13, True, None)
+    assert empty.shape == (0, I) and len(calls) == n_calls
