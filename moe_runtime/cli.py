@@ -91,7 +91,7 @@ def _add_make_checkpoint(sub) -> None:
     p.add_argument("--max-shard-size", type=_shard_size, default=None,
                    help='e.g. "200KB", "500MB", "2GB" or bytes: sharded safetensors + index')
     p.add_argument("--force", action="store_true",
-                   help="qwen3-30b-a3b: also write the ~61 GB of random weights (default: config + tokenizer only)")
+                   help="qwen3-30b-a3b only: also write its ~61 GB of random weights (default: config + tokenizer only)")
 
 
 RAY_ADDRESS_HELP = ('join this Ray cluster ("auto" or host:port); default: $RAY_ADDRESS when '

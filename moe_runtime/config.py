@@ -86,9 +86,11 @@ class MoEConfig:
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
         if isinstance(self.routed_scaling_factor, bool) or not isinstance(
-                self.routed_scaling_factor, (int, float)):
+                self.routed_scaling_factor, numbers.Real):
             raise TypeError(f"routed_scaling_factor must be a number, got "
                             f"{type(self.routed_scaling_factor).__name__} {self.routed_scaling_factor!r}")
+        # (a numpy scalar: the float it holds)
+        object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
         if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
             raise ValueError(f"routed_scaling_factor must be a finite number > 0, got "
                              f"{self.routed_scaling_factor}")

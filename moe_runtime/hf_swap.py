@@ -284,6 +284,12 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         raise ValueError(f"{where}: experts must be SiLU-gated, fused [gate; up], untransposed and "
                          f"bias-free; got act_fn {type(experts.act_fn).__name__}"
                          + (f", {odd}" if odd else ""))
+    dtype = experts.gate_up_proj.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{where}: its experts are {dtype}; MoELayer computes in float32, "
+                         f"bfloat16 or float16: load the model in one of them (e.g. "
+                         f"from_pretrained(..., dtype=torch.float32)) or cast it (model.float()) "
+                         f"before the swap")
     E, H = router.weight.shape
     shared_size = 0  # also 0 for an empty HF shared MLP (DeepSeek-V3 n_shared_experts=0)
     if fam.shared is not None:
@@ -301,7 +307,7 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         use_correction_bias=getattr(router, "e_score_correction_bias", None) is not None,
         shared_expert_intermediate_size=shared_size,
         shared_expert_gate=fam.shared_gate is not None and shared_size > 0,
-        router_logits_fp32=fam.router_logits_fp32, dtype=experts.gate_up_proj.dtype)
+        router_logits_fp32=fam.router_logits_fp32, dtype=dtype)
 
 
 

@@ -100,6 +100,8 @@ def test_make_checkpoint_cli_writes_hf_loadable_sharded_mixtral(tmp_path, capsys
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.float16
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok("hello world")["input_ids"]) == "hello world"
+    batch = tok(["hello world", "hi"], padding=True)  # left-padded for batched generate()
+    assert batch["attention_mask"][1][0] == 0 and batch["attention_mask"][1][-1] == 1
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "MixtralForCausalLM"
     assert cli_main(["make-checkpoint", "--preset", "tiny", out]) == 2  # not empty
     assert "not empty" in capsys.readouterr().err
@@ -259,6 +261,9 @@ def test_make_checkpoint_arch_preset_mismatch_is_a_usage_error(tmp_path, capsys)
     assert cli_main(["make-checkpoint", "--arch", "mixtral", "--preset", "qwen3-30b-a3b",
                      str(tmp_path / "x")]) == 2
     assert "use --arch qwen3-moe" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
+    assert cli_main(["make-checkpoint", "--force", str(tmp_path / "x")]) == 2  # (preset tiny)
+    assert "preset 'tiny' takes no force" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
 
 
 def test_make_checkpoint_refuses_unusable_paths_and_seeds_before_writing(tmp_path, capsys,

@@ -600,7 +600,7 @@ def test_device_choice_from_cluster_gpus(gpus, device, embedded, want, caplog):
     fake_ray = SimpleNamespace(is_initialized=lambda: True,
                                cluster_resources=lambda: {"CPU": 64.0, "GPU": float(gpus)})
     eng = Engine.__new__(Engine)
-    eng.world_size, eng.timeout_s, eng._started_ray = 16, 30.0, embedded
+    eng.world_size, eng.timeout_s, eng._started_ray, eng.backend = 16, 30.0, embedded, "auto"
     if want is ValueError:
         with pytest.raises(ValueError, match=f"16 GPU rank\\(s\\) need as many GPUs, this machine has {gpus}"):
             eng._init_ray(fake_ray, None, device, {})
@@ -609,6 +609,23 @@ def test_device_choice_from_cluster_gpus(gpus, device, embedded, want, caplog):
         eng._init_ray(fake_ray, None, device, {})
     assert eng.device == want
     assert ("requesting the GPU bundles anyway" in caplog.text) == (want == "cuda" and gpus < 16)
+
+
+@pytest.mark.parametrize("gpus,ok", [(0, False), (8, True)])
+def test_cute_backend_on_a_cluster_without_gpus_fails_before_the_ranks_start(gpus, ok):
+    """device "auto" on a cluster with no GPU gives CPU ranks, which backend "cute" cannot run
+    on: a ValueError once the device is known (not a dead engine at the first generate)."""
+    from types import SimpleNamespace
+    fake_ray = SimpleNamespace(is_initialized=lambda: True,
+                               cluster_resources=lambda: {"CPU": 64.0, "GPU": float(gpus)})
+    eng = Engine.__new__(Engine)
+    eng.world_size, eng.timeout_s, eng._started_ray, eng.backend = 8, 30.0, False, "cute"
+    if ok:
+        eng._init_ray(fake_ray, None, "auto", {})
+        assert eng.device == "cuda"
+        return
+    with pytest.raises(ValueError, match="backend 'cute' .* device 'auto' resolved to CPU ranks"):
+        eng._init_ray(fake_ray, None, "auto", {})
 
 
 def test_join_failure_names_our_option():
@@ -987,6 +1004,20 @@ def test_unreadable_tokenizer_and_config_are_named(ckpt, tmp_path, capsys):
                                                 "HTTP address")):  # exit 2, before Ray starts
         assert main(["generate", "--model", ckpt, "--prompt", "hi", "--ray-address", bad]) == 2
         assert what in capsys.readouterr().err
+
+
+def test_a_tokenizer_config_without_tokenizer_json_is_named(ckpt, tmp_path):
+    """transformers' error for it asks for sentencepiece / tiktoken; the message says which
+    file is missing first."""
+    from moe_runtime.engine.driver import load_tokenizer
+    from moe_runtime.models import CheckpointError
+    d = str(tmp_path / "half_tok")
+    shutil.copytree(ckpt, d)
+    os.remove(os.path.join(d, "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="cannot load its tokenizer \\(tokenizer_config.json "
+                                              "is there but tokenizer.json is not"):
+        load_tokenizer(d)
+    assert load_tokenizer(ckpt)("a b")["input_ids"]
 
 
 def test_prompts_file_of_blank_lines_is_a_usage_error_and_crlf_is_stripped(tmp_path):

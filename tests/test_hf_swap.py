@@ -267,6 +267,14 @@ def test_non_silu_experts_raise():
     assert len(hf_blocks(model)) == 2
 
 
+def test_a_float64_model_is_refused_naming_the_block_and_the_fix():
+    model = tiny_model("qwen3_moe").double()
+    with pytest.raises(ValueError, match=r"Qwen3MoeSparseMoeBlock: its experts are torch.float64;"
+                                         r".*from_pretrained\(\.\.\., dtype=torch.float32\)"):
+        swap_moe_layers(model)
+    assert len(hf_blocks(model)) == 2
+
+
 def test_root_block_and_second_swap():
     model = tiny_model("qwen2_moe")
     block = hf_blocks(model)[0]

@@ -126,6 +126,13 @@ def test_config_takes_integer_types_as_ints():
     for bad in (torch.tensor(2), np.True_):
         with pytest.raises(TypeError, match="top_k must be an int"):
             MoEConfig(hidden_size=16, num_experts=8, top_k=bad, moe_intermediate_size=8)
+    scaled = MoEConfig(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8,
+                       routed_scaling_factor=np.float32(2.5))  # (a float from numpy too)
+    assert type(scaled.routed_scaling_factor) is float and scaled.routed_scaling_factor == 2.5
+    for bad in (torch.tensor(2.5), np.True_):
+        with pytest.raises(TypeError, match="routed_scaling_factor must be a number"):
+            MoEConfig(hidden_size=16, num_experts=8, top_k=2, moe_intermediate_size=8,
+                      routed_scaling_factor=bad)
 
 
 def test_experts_grouped_equals_loop():

@@ -272,7 +272,8 @@ def test_tied_config_with_a_different_lm_head_uses_it_like_hf(ckpts, tmp_path):
 
 def test_unused_checkpoint_tensors_are_named_in_a_warning(ckpts, tmp_path):
     """Tensors no rank reads (a layer config.json no longer has, a stray key) are listed; a
-    complete checkpoint, and rank 0 of 2 (the other rank's experts), load without a warning."""
+    complete checkpoint loads without a warning (rank 0 of 2, whose checkpoint holds the other
+    rank's experts: test_each_rank_reads_only_its_own_experts)."""
     import warnings
     d = str(tmp_path / "fewer_layers")
     shutil.copytree(ckpts["qwen3-moe"], d)
@@ -284,7 +285,6 @@ def test_unused_checkpoint_tensors_are_named_in_a_warning(ckpts, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_model(ckpts["mixtral"], progress=False)  # sharded, all tensors used
-        load_model(ckpts["qwen3-moe"], Parallel("dp_nvlink", 0, 2), progress=False)
     # a stale index entry (its shard lacks the tensor; HF loads such a checkpoint): a warning,
     # not a safetensors error after every weight was read
     d = str(tmp_path / "stale_index")
@@ -401,13 +401,31 @@ def test_generation_config_eos_ids_are_stop_ids(ckpts, tmp_path):
 
 
 def _load_rank(rank: int, world_size: int, model_dir: str):
-    """Load rank's share under dp_nvlink; ("ok", expert range) or ("error", message)."""
+    """Load rank's share under dp_nvlink, warnings as errors (rank 0 must not call the other
+    rank's experts unused); ("ok", expert range) or ("error", message)."""
+    import warnings
     try:
-        m = load_model(model_dir, Parallel("dp_nvlink", rank, world_size), progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m = load_model(model_dir, Parallel("dp_nvlink", rank, world_size), progress=False)
     except CheckpointError as e:
         return "error", str(e)
     r = m.layers[0].mlp.local_expert_range
     return "ok", [r.start, r.stop]
+
+
+@pytest.mark.parametrize("topology", ["tp", "dp_nvlink"])
+def test_a_multirank_parallel_needs_its_process_group(ckpts, topology):
+    """Parallel(rank 0 of 2) in a process without torch.distributed: a ValueError that says so
+    before any weight is read, not a model whose attention is split while its MoE layers and
+    collectives run as a world of one rank (wrong logits under tp)."""
+    with pytest.raises(ValueError, match=r"rank 0 of 1 \(torch.distributed is not initialized\)"):
+        load_model(ckpts["qwen3-moe"], Parallel(topology, 0, 2), progress=False)
+
+
+def test_load_model_names_a_dtype_passed_as_the_parallel(ckpts):
+    with pytest.raises(TypeError, match="got str 'bfloat16' .*keyword-only"):
+        load_model(ckpts["qwen3-moe"], "bfloat16")
 
 
 def test_each_rank_reads_only_its_own_experts(ckpts, tmp_path):

@@ -273,8 +273,13 @@ def load_tokenizer(model_dir: str):
     except ImportError:
         raise
     except Exception as e:  # e.g. a tokenizer.json that is not JSON: name the checkpoint
-        raise CheckpointError(f"{model_dir}: cannot load its tokenizer: {type(e).__name__}: "
-                              f"{e}") from e
+        files = set(os.listdir(model_dir)) if os.path.isdir(model_dir) else set()
+        hint = ("" if "tokenizer.json" in files or "tokenizer_config.json" not in files else
+                " (tokenizer_config.json is there but tokenizer.json is not: copy the model's "
+                "tokenizer.json, e.g. tokenizer.save_pretrained(model_dir), before installing "
+                "the packages this error may ask for)")
+        raise CheckpointError(f"{model_dir}: cannot load its tokenizer{hint}: "
+                              f"{type(e).__name__}: {e}") from e
     if not tokenizer("a b c")["input_ids"]:
         raise CheckpointError(f"{model_dir}: no usable tokenizer (it gives no token ids for text): "
                               "put the model's tokenizer files there (tokenizer.json / "
@@ -322,8 +327,9 @@ class Engine:
         ConnectionError: ray_address (or RAY_ADDRESS) names a cluster that cannot be reached
             or joined.
         TypeError: world_size not an int, timeout_s not a number.
-        ValueError: bad arguments (before Ray starts), unsupported model_type or dtype, or GPU
-            ranks on an embedded Ray with fewer GPUs than world_size.
+        ValueError: bad arguments (before Ray starts), unsupported model_type or dtype, GPU
+            ranks on an embedded Ray with fewer GPUs than world_size, or backend "cute" where
+            device "auto" resolves to CPU ranks (before the ranks start).
     """
 
     _ray_gcs: Optional[str] = None  # the GCS address of the Ray this engine runs on
@@ -504,6 +510,10 @@ class Engine:
                         "GPU bundles anyway (waiting up to %gs for an autoscaler to add nodes)",
                         gpus, self.world_size, self.timeout_s)
         self.device = "cuda" if use_gpu else "cpu"
+        if device == "auto" and self.device == "cpu" and self.backend == "cute":
+            raise ValueError(f"backend 'cute' runs CuTeDSL kernels on GPUs, and device {device!r} "
+                             f"resolved to CPU ranks (the Ray cluster has no GPU): use backend "
+                             f"'reference' or 'auto'")
 
     def _start_workers(self) -> None:
         import ray

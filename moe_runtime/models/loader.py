@@ -349,9 +349,16 @@ def load_model(model_dir: str, parallel: Parallel = Parallel(), *, dtype=None, d
         CheckpointError: missing tensor, shape mismatch or a stored dtype other than F32 / BF16 /
             F16 / F64 (names the tensor and the file).
         ValueError: unsupported model_type / dtype, a quantized checkpoint
-            (`quantization_config`), or heads/experts not divisible for the world.
+            (`quantization_config`), heads/experts not divisible for the world, or a
+            world size > 1 whose process group does not match (`MoECausalLM`).
+        TypeError: `parallel` is not a Parallel (dtype and device are keyword-only).
     """
     from tqdm.auto import tqdm
+
+    if not isinstance(parallel, Parallel):
+        raise TypeError(f"parallel must be a moe_runtime.models.Parallel, got "
+                        f"{type(parallel).__name__} {parallel!r} (dtype= and device= are "
+                        f"keyword-only)")
 
     spec, arch = read_spec(model_dir, dtype)
     state = {}

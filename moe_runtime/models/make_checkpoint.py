@@ -229,7 +229,9 @@ def train_tokenizer(vocab_size: int = 512):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(TRAINING_TEXT.splitlines(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    # left padding: batched HF generate() of a decoder-only model continues after each prompt
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                   padding_side="left")
 
 
 @contextlib.contextmanager
@@ -279,7 +281,8 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         out_dir, whose directory and file modes follow the umask (typically 0755 / 0644).
 
     Raises:
-        ValueError: unknown arch/preset/dtype, a preset the arch lacks, a bad max_shard_size or seed,
+        ValueError: unknown arch/preset/dtype, a preset the arch lacks, force for another preset
+            than qwen3-30b-a3b, a bad max_shard_size or seed,
             an empty out_dir, one that is a file or a non-empty directory, or one whose parent
             cannot be written.
     """
@@ -287,6 +290,9 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
     import transformers
 
     check_arch_preset(arch, preset)
+    if force and preset != "qwen3-30b-a3b":
+        raise ValueError(f"force writes the weights of preset qwen3-30b-a3b (the other presets "
+                         f"always have theirs); preset {preset!r} takes no force")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if max_shard_size is not None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.groups import group_rank_size
 from ..layer import MoELayer
 from .spec import ModelSpec, rope_parameters
 
@@ -437,9 +438,26 @@ class MoECausalLM(nn.Module):
 
     Build it under `torch.device("meta")` and fill it with `loader.load_weights` (which calls
     `load_state_dict(..., assign=True)`), then `.to(device)` if needed and `init_buffers()`.
+
+    Raises:
+        ValueError: parallel.world_size > 1 but its process group (parallel.group, None = the
+            default group) does not hold this process as rank `parallel.rank` of
+            `world_size` ranks, e.g. torch.distributed not initialized: the attention heads
+            would be split while the MoE layers and collectives ran as a world of one rank.
+        RuntimeError: a group is given but torch.distributed is not initialized.
     """
 
     def __init__(self, spec: ModelSpec, parallel: Parallel):
+        if parallel.world_size > 1:
+            got = group_rank_size(parallel.group)
+            if got != (parallel.rank, parallel.world_size):
+                raise ValueError(
+                    f"Parallel({parallel.topology!r}, rank={parallel.rank}, world_size="
+                    f"{parallel.world_size}) but the process group has this process as rank "
+                    f"{got[0]} of {got[1]}" + ("" if parallel.group is not None or got[1] > 1
+                                              else " (torch.distributed is not initialized)")
+                    + ": call torch.distributed.init_process_group first (or pass "
+                    "Parallel.group); for one process use Parallel() (topology 'local')")
         super().__init__()
         self.spec, self.parallel = spec, parallel
         self.shard = head_shard(spec, parallel)
