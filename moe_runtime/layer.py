@@ -444,9 +444,10 @@ class MoELayer(nn.Module):
         if hidden_states.dim() == 0 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
         device = hidden_states.device
-        if device != self.experts.gate_up_proj.device:
+        weights_device = self._modules["experts"].gate_up_proj.device  # (no alias lookup)
+        if device != weights_device:
             raise ValueError(f"hidden_states is on {device} but the layer's weights are on "
-                             f"{self.experts.gate_up_proj.device}")
+                             f"{weights_device}")
         if hidden_states.is_meta:
             raise ValueError("MoELayer forward needs real tensors, got the meta device (routing "
                              "reads the expert counts): materialize the layer first, e.g. "
@@ -548,16 +549,21 @@ class MoELayer(nn.Module):
 
     def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The eager MoE on rows x [T, H] -> [T, H] (what the CUDA graphs capture)."""
-        topk_ids, topk_weights = self.router(x)
-        result = self.topology.dispatch(x, topk_ids, topk_weights, check_values=False,
-                                        layer=getattr(self, "_topology_layer", 0))
-        hint = {} if result.expected_rows is None else {"expected_rows": result.expected_rows}
+        modules = self._modules  # (router / experts: no MoELayer.__getattr__ alias lookup)
+        topk_ids, topk_weights = modules["router"](x)
+        topology = self.topology
+        result = topology.dispatch(x, topk_ids, topk_weights, check_values=False,
+                                   layer=self.__dict__.get("_topology_layer", 0))
         try:
-            expert_y = self.experts(result.expert_x, result.expert_offsets, **hint)
+            if result.expected_rows is None:
+                expert_y = modules["experts"](result.expert_x, result.expert_offsets)
+            else:
+                expert_y = modules["experts"](result.expert_x, result.expert_offsets,
+                                              expected_rows=result.expected_rows)
         except BaseException as e:  # the peers wait in this call's combine (Topology.abandon)
-            self.topology.abandon(result, e)
+            topology.abandon(result, e)
             raise
-        y = self.topology.combine(expert_y, result)
+        y = topology.combine(expert_y, result)
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         return y

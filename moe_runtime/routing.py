@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .kernels import autograd_records, get_ops, resolve_backend
+from .kernels import autograd_records, cute_ops_module, get_ops, resolve_backend
 from .param_checks import CheckedModule
 
 
@@ -105,8 +105,7 @@ class Router(CheckedModule):
         c = self.config
 
         def unsupported():
-            from .kernels import cute_ops
-            return cute_ops.route_unsupported(c.num_experts, c.top_k, logits_dtype,
+            return cute_ops_module().route_unsupported(c.num_experts, c.top_k, logits_dtype,
                                               scoring=c.scoring, n_group=c.n_group,
                                               topk_group=c.topk_group)
         return resolve_backend(self.backend, device, unsupported)
@@ -115,23 +114,26 @@ class Router(CheckedModule):
         """The dtype of `logits` for input of `x_dtype`."""
         return torch.float32 if self.config.router_logits_fp32 else x_dtype
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         """Router logits [T, E]: fp32 when config.router_logits_fp32, else x.dtype (fp32
         accumulation). Decode-sized x with a small router on CUDA takes the CuTeDSL GEMV
-        (`_gemv`), otherwise F.linear."""
+        (`_gemv`), otherwise F.linear. backend: `resolved_backend(x.device, x.dtype)` when the
+        caller has it (forward), else resolved here."""
+        w = self.weight
         if self.config.router_logits_fp32:
-            return F.linear(x.float(), self.weight.float())
-        if self._gemv(x):
-            return get_ops("cute").linear_gemv(x, self.weight)
-        return F.linear(x, self.weight)
+            return F.linear(x.float(), w.float())
+        if self._gemv(x, w, backend):
+            return get_ops("cute").linear_gemv(x, w)
+        return F.linear(x, w)
 
-    def _gemv(self, x: torch.Tensor) -> bool:
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor | None = None,
+              backend: str | None = None) -> bool:
         """Speed rule (ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS) and the GEMV's needs:
         contiguous, 16-byte aligned 16-bit rows of 16-byte multiples and weight on one CUDA
         device with the cute backend, nothing for autograd to record (anything else takes
         F.linear, which accepts it). While torch.compile traces, the layout is not tested
         (dynamo cannot trace data_ptr()): the custom op copies what the GEMV cannot read."""
-        w = self.weight
+        w = self.weight if w is None else w
         return (x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
                 and w.numel() <= ROUTER_GEMV_MAX_WEIGHTS and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
@@ -140,7 +142,8 @@ class Router(CheckedModule):
                      or (x.is_contiguous() and w.is_contiguous()
                          and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0))
                 and not (autograd_records() and (x.requires_grad or w.requires_grad))
-                and self.resolved_backend(x.device, x.dtype) == "cute")
+                and (backend if backend is not None
+                     else self.resolved_backend(x.device, x.dtype)) == "cute")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]).
@@ -159,8 +162,9 @@ class Router(CheckedModule):
         if x.device != w.device:
             raise ValueError(f"router input is on {x.device}, the router weight on {w.device}")
         c = self.config
-        ops = get_ops(self.resolved_backend(x.device, self.logits_dtype(x.dtype)))
-        logits = self.logits(x)
+        backend = self.resolved_backend(x.device, self.logits_dtype(x.dtype))
+        ops = get_ops(backend)
+        logits = self.logits(x, backend)
         if self.kept_logits is not None:  # (swap_moe_layers' router-logits recording)
             self.kept_logits.append(logits)
         ids, weights, _ = ops.route(

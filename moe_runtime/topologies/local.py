@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import check_backend_name, get_ops, resolve_backend
+from ..kernels import check_backend_name, cute_ops_module, get_ops, resolve_backend
 from .base import DispatchResult, Topology
 
 
@@ -29,8 +29,7 @@ class LocalTopology(Topology):
         CuTeDSL dispatch / combine refuse these shapes (cute_ops.rows_unsupported, e.g. a
         row that is not a multiple of 16 bytes)."""
         def unsupported():
-            from ..kernels import cute_ops
-            return cute_ops.rows_unsupported(hidden, dtype, self.num_local_experts, top_k)
+            return cute_ops_module().rows_unsupported(hidden, dtype, self.num_local_experts, top_k)
         return resolve_backend(self.backend, device, unsupported)
 
     def _dispatch(self, x, topk_ids, topk_weights) -> DispatchResult:
