@@ -322,6 +322,29 @@ def test_experts_strided_weight_views_use_loop(use_grouped_mm):
         torch.testing.assert_close(layer(x), dense(x))
 
 
+def test_expert_gemv_takes_contiguous_weights_in_the_grouped_mm_layout(monkeypatch):
+    """The CuTeDSL expert GEMV (faked as available) is chosen only for contiguous weights whose
+    strides and storage offset are 16-byte multiples: not for a contiguous view at an odd
+    offset, nor for one expert whose size-1 dim has a stride is_contiguous() ignores."""
+    monkeypatch.setattr(Experts, "_cute", lambda self, device: True)
+    E, H, I = 3, 16, 8
+    x = torch.randn(2, H, dtype=torch.bfloat16)
+
+    def gemv(gu, dn, e=E):  # (one row for one expert: the GEMV's rows <= 1.5 E rule)
+        ex = Experts(e, H, I, dtype=torch.bfloat16, gate_up_proj=gu, down_proj=dn)
+        return ex._gemv(x[:1] if e == 1 else x)
+
+    gu, dn = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()
+    assert gemv(gu, dn)
+    shifted = torch.randn(gu.numel() + 1).bfloat16()[1:].view(E, 2 * I, H)
+    assert shifted.is_contiguous() and shifted.storage_offset() == 1
+    assert not gemv(shifted, dn)
+    one = torch.randn(2 * I * H + 3).bfloat16().as_strided((1, 2 * I, H), (3, H, 1))
+    assert one.is_contiguous() and one.stride(0) * 2 % 16
+    assert not gemv(one, dn[:1].contiguous(), e=1)
+    assert gemv(gu[:1], dn[:1], e=1)
+
+
 def test_layer_rejects_bad_construction_and_inputs_of_another_dtype():
     cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="'bogus'"):

@@ -110,7 +110,7 @@ def _check(name: str, t, dtypes, ndim: int, device=None) -> None:
     contiguity or a data pointer that is not 16-byte aligned."""
     # one test of the good case (~0.35 us, most tensors pass it), then the detailed one
     if (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == ndim
-            and (t.device.type == "cuda" if device is None else t.device == device)
+            and t.is_cuda and (device is None or t.device == device)
             and t.is_contiguous() and t.data_ptr() % 16 == 0):
         return
     _check_slow(name, t, dtypes, ndim, device)
