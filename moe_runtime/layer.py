@@ -49,7 +49,9 @@ class MoELayer(nn.Module):
         forward(hidden_states [..., H] in `dtype`) -> [..., H] in `dtype`, the dtype the
         weights share (config.dtype unless the weights were set otherwise; a cast of the layer
         updates both; see forward).
-        Under `tp` every rank passes the same tokens and gets the full output; under `dp_*`
+        Under `tp` every rank passes the same tokens and gets the full output (the token
+        count is checked, the values are not: ranks passing different tokens of one count get
+        wrong outputs without an error, as with any tensor-parallel layer); under `dp_*`
         each rank passes its own tokens (any count, 0 included). These multi-rank layers are
         for inference (their backward raises): each rank's `experts` hold other experts, so do
         not wrap them in DDP / FSDP, whose first broadcast would overwrite every rank's
@@ -345,11 +347,12 @@ class MoELayer(nn.Module):
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._tree()[0])
 
     def _tree(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[str, nn.Module, str, tuple, bool], ...],
-                             tuple[dict, ...]]:
+                             tuple[nn.Module, ...]]:
         """(submodules, (name, owner module, parameter name, shape, dtype free) of the weights
-        that `_weights_dtype` checks, the parameter and buffer dicts of every module in
-        `modules()` order (`_storage_fingerprint`: a tensor registered later under a new name
-        is in them)); read live from the owners' dicts, so no tensor is held here. The shape is
+        that `_weights_dtype` checks, every module in `modules()` order (`_storage_fingerprint`
+        reads their parameter and buffer dicts: a tensor registered later under a new name is
+        in them)); read live from the owners, so no tensor nor tensor dict is held here (a
+        tracer such as torch.export may swap a module's dicts for its own). The shape is
         the config's for the router and the routed experts, the one at the walk for the
         others. The walk costs ~10 us, a call ~1 us: cached until a tensor or
         submodule of this package's modules is assigned or the layer converted
@@ -368,15 +371,14 @@ class MoELayer(nn.Module):
                      "experts.down_proj": (e, c.hidden_size, c.moe_intermediate_size)}
             named = tuple(self.named_modules())
             subs = tuple(m for _, m in named if m is not self)
-            slots, tensors = [], []
+            slots = []
             for prefix, m in named:
                 for n, w in m._parameters.items():
                     name = f"{prefix}.{n}" if prefix else n
                     if w is not None:
                         slots.append((name, m, n, sized.get(name, tuple(w.shape)),
                                       name == "router.weight" and c.router_logits_fp32))
-                tensors += [m._parameters, m._buffers]
-            tree = (subs, tuple(slots), tuple(tensors))
+            tree = (subs, tuple(slots), tuple(m for _, m in named))
             if not compiling:
                 self.__dict__["_tree_cache"] = ((structure_version[0], _children(self, subs)),
                                                 tree)
@@ -385,7 +387,8 @@ class MoELayer(nn.Module):
     def _storage_fingerprint(self) -> tuple[int, ...]:
         """cuda_graphs.storage_fingerprint of the layer (the same tuple) from the cached walk
         (`_tree`): ~2 us a call instead of ~8 on the host, paid by every graph replay."""
-        return tuple(t.data_ptr() for d in self._tree()[2] for t in d.values() if t is not None)
+        return tuple(t.data_ptr() for m in self._tree()[2] for d in (m._parameters, m._buffers)
+                     for t in d.values() if t is not None)
 
     def __setattr__(self, name, value):
         path = self.__dict__.get("module_aliases", {}).get(name)

@@ -1,4 +1,5 @@
 """MoEConfig, Router, Experts, local topology and MoELayer on the CPU (reference backend)."""
+import copy
 import logging
 import pytest
 import torch
@@ -576,14 +577,24 @@ def test_torch_compile_dynamic_token_counts_compile_once():
 def test_torch_export_with_a_dynamic_token_count(dtype):
     """The reference dispatch sizes everything from shapes (no host read of the routing), so a
     layer exports (non-strict) with a dynamic sequence length and matches eager (fp16 / fp32:
-    the per-expert loop, one op there; its host-read bounds failed export before)."""
+    the per-expert loop, one op there; its host-read bounds failed export before). The layer,
+    run eagerly before (its walk of the tree cached), keeps working after, deep-copies and
+    pickles (the exporter swaps the modules' tensor dicts: the cache must not keep its fakes)."""
+    import pickle
     from torch.export import Dim
+    from moe_runtime.cuda_graphs import storage_fingerprint
     layer = _shared_layer(dtype).eval()
-    ep = torch.export.export(layer, (torch.randn(2, 5, 16, dtype=dtype),),
-                             dynamic_shapes={"hidden_states": {1: Dim("S", max=1024)}})
     x = torch.randn(2, 9, 16, dtype=dtype)
     with torch.no_grad():
-        assert torch.equal(ep.module()(x), layer(x))
+        before = layer(x)
+    ep = torch.export.export(layer, (torch.randn(2, 5, 16, dtype=dtype),),
+                             dynamic_shapes={"hidden_states": {1: Dim("S", max=1024)}})
+    assert layer._storage_fingerprint() == storage_fingerprint(layer)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x), before)
+        assert torch.equal(layer(x), before)
+        assert torch.equal(copy.deepcopy(layer)(x), before)
+        assert torch.equal(pickle.loads(pickle.dumps(layer))(x), before)
 
 
 def test_torch_compile_forced_grouped_mm_fp32_takes_the_loop():
@@ -722,6 +733,18 @@ def test_dtype_check_holds_no_tensors_and_sees_new_ones(how):
     with pytest.raises(TypeError, match=r"must share one dtype: .* is torch.float(16|32) but .* is "
                                         r"torch.float(16|32)"):
         layer(x)
+
+
+def test_torch_func_grad_matches_autograd():
+    """torch.func.grad over functional_call (parameters without storage: the path choice reads
+    no data pointer on them) gives the gradients that backward does."""
+    layer = _shared_layer()
+    x = torch.randn(5, 16)
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    grads = torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x,)).sum())(params)
+    layer(x).sum().backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
 
 
 def _bias_layer(dtype=torch.float32) -> MoELayer:
