@@ -105,9 +105,9 @@ class Router(CheckedModule):
         c = self.config
 
         def unsupported():
-            return cute_ops_module().route_unsupported(c.num_experts, c.top_k, logits_dtype,
-                                              scoring=c.scoring, n_group=c.n_group,
-                                              topk_group=c.topk_group)
+            return cute_ops_module().route_unsupported(
+                c.num_experts, c.top_k, logits_dtype, scoring=c.scoring, n_group=c.n_group,
+                topk_group=c.topk_group)
         return resolve_backend(self.backend, device, unsupported)
 
     def logits_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
