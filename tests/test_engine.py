@@ -628,6 +628,19 @@ def test_cute_backend_on_a_cluster_without_gpus_fails_before_the_ranks_start(gpu
         eng._init_ray(fake_ray, None, "auto", {})
 
 
+def test_load_tp_of_a_model_whose_heads_do_not_split_fails_before_the_ranks(tmp_path):
+    """Engine.load("tp") checks the heads as the constructor does (OLMoE's q/k norms span all
+    heads): a ValueError before any rank is asked, so the loaded model stays usable."""
+    from moe_runtime.models import read_spec
+    from moe_runtime.models.make_checkpoint import make_checkpoint
+    make_checkpoint(str(tmp_path), arch="olmoe", preset="tiny", progress=False)
+    eng = _bare_engine()
+    eng.spec = read_spec(str(tmp_path), "auto")[0]
+    eng._load = lambda *a: pytest.fail("the ranks were asked to load")
+    with pytest.raises(ValueError, match="q/k RMSNorm spans all heads"):
+        eng.load("tp")
+
+
 def test_join_failure_names_our_option():
     """ray.init(address="auto") without a cluster: the error names --ray-address (Ray's own text
     names its CLI's --address flag)."""

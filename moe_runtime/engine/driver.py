@@ -543,12 +543,16 @@ class Engine:
         group), e.g. to compare topologies without restarting the ranks.
 
         Raises:
-            ValueError: "auto", "local" with world size > 1, or an unknown name.
+            ValueError: "auto", "local" with world size > 1, an unknown name, or "tp" for a
+                model whose heads do not split over the ranks (`check_world_size`); the loaded
+                model stays.
             RankError: a rank failed (all actors are gone afterwards).
         """
         if topology == "auto":
             raise ValueError("load() needs an explicit topology name")
-        self._load(*choose_topology(topology, self.world_size))
+        chosen = choose_topology(topology, self.world_size)
+        check_world_size(self.spec, self.world_size, topology == "tp")
+        self._load(*chosen)
 
     def _load(self, name: str, reason: str) -> None:
         self.topology = None
