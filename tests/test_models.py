@@ -398,6 +398,11 @@ def test_generation_config_eos_ids_are_stop_ids(ckpts, tmp_path):
     json.dump({**json.load(open(cfg_path)), "num_experts_per_tok": 99}, open(cfg_path, "w"))
     with pytest.raises(ValueError, match=f"{d}/config.json: "):
         read_spec(d)
+    for model_type in ("llama", "bogus_moe"):  # (known to transformers or not: our list)
+        json.dump({**json.load(open(cfg_path)), "model_type": model_type}, open(cfg_path, "w"))
+        with pytest.raises(ValueError, match=f"unsupported model_type '{model_type}'; "
+                                             r"supported: \['deepseek_v3'"):
+            read_spec(d)
 
 
 def _load_rank(rank: int, world_size: int, model_dir: str):

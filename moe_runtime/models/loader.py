@@ -96,8 +96,16 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
     from transformers import AutoConfig
 
     from . import get_architecture
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF-format checkpoint)")
+    try:  # (a model_type that transformers does not know either gets this project's list)
+        with open(path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None  # (AutoConfig reports an unreadable file)
+    if isinstance(model_type, str):
+        get_architecture(model_type)
     try:
         cfg = AutoConfig.from_pretrained(model_dir)
     except (ImportError, OSError):
