@@ -126,6 +126,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
     if params.temperature < torch.finfo(torch.float32).tiny or logits.shape[0] == 0:
         return logits.argmax(-1).cpu()  # (below fp32's smallest normal, x / T is 0 / 0 at the max)
     logits = logits.float().cpu()
+    bad = (logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)
+    if bad.any():  # (torch.multinomial's own text names no cause)
+        raise ValueError(f"sampling: the logits of row {int(bad.nonzero()[0])} hold NaN or +inf "
+                         "or no finite value (non-finite weights or activations: check the "
+                         "checkpoint)")
     # shifted so that the largest is 0: a tiny temperature sends the others to -inf (greedy)
     # instead of overflowing every logit to +-inf (nan probabilities)
     shifted = logits - logits.max(-1, keepdim=True).values
