@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .expert_loop import expert_loop_linear, loop_linear
-from .kernels import check_backend_name, cute_ops_module, get_ops, resolve_backend
+from .kernels import check_backend_name, cute_ops_module, forward_ad_active, get_ops, \
+    resolve_backend
 from .kernels.grouped_gemm import quack_supported, tile_probe_rows
 from .param_checks import CheckedModule
 
@@ -163,8 +164,10 @@ class Experts(CheckedModule):
 
     def _grouped(self, device: torch.device, dtype: torch.dtype, rows: int | None = None) -> bool:
         """Whether forward on `rows` rows takes torch._grouped_mm (else the per-expert loop):
-        never for weights whose layout it rejects (`_weights_fit_grouped_mm`)."""
-        if self.use_grouped_mm is False or not self._weights_fit_grouped_mm():
+        never for weights whose layout it rejects (`_weights_fit_grouped_mm`), nor under
+        forward-mode AD (`forward_ad_active`: _grouped_mm has no forward derivative)."""
+        if (self.use_grouped_mm is False or not self._weights_fit_grouped_mm()
+                or forward_ad_active()):
             return False
         if torch.compiler.is_compiling() and (dtype != torch.bfloat16 or rows == 0):
             # torch.compile's _grouped_mm lowering accepts bf16 only; with no rows, inductor's

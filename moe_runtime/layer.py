@@ -10,7 +10,8 @@ from torch import nn
 from .config import _DTYPES, MoEConfig
 from .cuda_graphs import DEFAULT_BUCKETS, BucketedGraphs, CaptureFn
 from .experts import Experts, SharedExpert
-from .kernels import _log_once, autograd_records, check_backend_name, differentiable_kernels
+from .kernels import _log_once, autograd_records, check_backend_name, differentiable_kernels, \
+    forward_ad_active
 from .param_checks import check_layer_submodule, note_assignment, structure_version, unwrapped
 from .routing import Router
 from .topologies.base import Topology
@@ -331,7 +332,7 @@ class MoELayer(nn.Module):
         """Whether this call of rows x [T, H] on `device` (x.device) replays CUDA graphs."""
         g = self.cuda_graphs
         return (g is not None and not torch.compiler.is_compiling()  # (traced: compile's graph)
-                and not autograd_records() and device == g.device
+                and not autograd_records() and not forward_ad_active() and device == g.device
                 and x.dtype == g.dtype and not torch.is_autocast_enabled(device.type)
                 and g.bucket_for(x.shape[0]) is not None
                 and not self._inner_hooks()
@@ -539,9 +540,10 @@ class MoELayer(nn.Module):
             return None
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
-        """Autograd recording (`autograd_records`) and the input or a parameter requires grad."""
-        return autograd_records() and (
-            x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        """Autograd recording (`autograd_records`) and the input or a parameter requires grad,
+        or forward-mode AD on (`forward_ad_active`: a tangent may ride on any tensor)."""
+        return forward_ad_active() or (autograd_records() and (
+            x.requires_grad or any(p.requires_grad for p in self.parameters())))
 
     def _records_autograd(self, x: torch.Tensor) -> bool:
         """Whether this forward must be differentiable: `_wants_grad` on the `local` topology

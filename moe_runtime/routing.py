@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .kernels import autograd_records, cute_ops_module, get_ops, resolve_backend
+from .kernels import autograd_records, cute_ops_module, forward_ad_active, get_ops, resolve_backend
 from .param_checks import CheckedModule
 
 
@@ -130,7 +130,8 @@ class Router(CheckedModule):
               backend: str | None = None) -> bool:
         """Speed rule (ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS) and the GEMV's needs:
         contiguous, 16-byte aligned 16-bit rows of 16-byte multiples and weight on one CUDA
-        device with the cute backend, nothing for autograd to record (anything else takes
+        device with the cute backend, nothing for autograd to record, no forward-mode AD
+        (anything else takes
         F.linear, which accepts it). While torch.compile traces, the layout is not tested
         (dynamo cannot trace data_ptr()): the custom op copies what the GEMV cannot read."""
         w = self.weight if w is None else w
@@ -142,6 +143,7 @@ class Router(CheckedModule):
                      or (x.is_contiguous() and w.is_contiguous()
                          and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0))
                 and not (autograd_records() and (x.requires_grad or w.requires_grad))
+                and not forward_ad_active()
                 and (backend if backend is not None
                      else self.resolved_backend(x.device, x.dtype)) == "cute")
 

@@ -747,6 +747,46 @@ def test_torch_func_grad_matches_autograd():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
 
 
+def test_forward_mode_ad_matches_the_reverse_mode_jacobian():
+    """Forward-mode AD (torch.func.jvp, a forward_ad dual level, also under torch.no_grad(),
+    which leaves forward AD on) takes kernels with forward derivatives (the per-expert loop:
+    torch._grouped_mm has none): the tangent equals the vector-Jacobian product's transpose,
+    J v, taken in reverse mode."""
+    import torch.autograd.forward_ad as fwAD
+    layer = _shared_layer()
+    x, v = torch.randn(5, 16), torch.randn(5, 16)
+    jac = torch.autograd.functional.jacobian(layer, x)  # [5, 16, 5, 16], reverse mode
+    want = torch.einsum("thsi,si->th", jac, v)
+    _, tangent = torch.func.jvp(layer, (x,), (v,))
+    torch.testing.assert_close(tangent, want)
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode), fwAD.dual_level():
+            tangent = fwAD.unpack_dual(layer(fwAD.make_dual(x, v))).tangent
+        torch.testing.assert_close(tangent, want)
+    assert layer.experts._grouped(x.device, x.dtype)  # (outside forward AD: the grouped GEMM)
+
+
+def test_deepcopy_of_a_layer_with_parametrized_submodules():
+    """nn.utils.parametrize's deepcopy sets the replica's whole __dict__ through setattr, before
+    the replica has module state: the layer's assignment checks let it through, and the copy
+    computes what the original does."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+    layer = _shared_layer()
+    for sub, name in ((layer.router, "weight"), (layer.experts, "down_proj"),
+                      (layer.shared_expert.up_proj, "weight")):
+        parametrize.register_parametrization(sub, name, Double())
+    x = torch.randn(5, 16)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+        twin.experts.parametrizations.down_proj.original.mul_(2)
+        assert not torch.allclose(twin(x), layer(x))
+
+
 def _bias_layer(dtype=torch.float32) -> MoELayer:
     cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8, dtype=dtype,
                     scoring="sigmoid", use_correction_bias=True, routed_scaling_factor=2.5)

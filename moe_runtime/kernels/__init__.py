@@ -33,6 +33,14 @@ def autograd_records() -> bool:
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
+def forward_ad_active() -> bool:
+    """Whether forward-mode AD is on (a `torch.autograd.forward_ad.dual_level`, or a
+    `torch.func.jvp` / `jacfwd` transform, which opens one), whatever the grad mode: the ops
+    run now need forward derivatives, which neither the CuTeDSL kernels nor
+    torch._grouped_mm have. Not asked while torch.compile traces (False)."""
+    return not torch.compiler.is_compiling() and torch.autograd.forward_ad._current_level >= 0
+
+
 @contextlib.contextmanager
 def differentiable_kernels():
     """Within this context `resolve_backend` picks the torch reference kernels, which autograd
