@@ -61,7 +61,10 @@ def check_replacement(module: nn.Module, name: str, value) -> None:
         ValueError: another shape.
         TypeError: a tensor / submodule where a submodule / tensor was.
     """
-    old = module._parameters.get(name, module._buffers.get(name))
+    params = module.__dict__.get("_parameters")
+    if params is None:  # (no module state yet: copy.deepcopy of a parametrized module sets the
+        return          # replica's whole __dict__ through setattr)
+    old = params.get(name, module._buffers.get(name))
     if old is None and name in module._modules:
         current = module._modules[name]
         if current is None:
