@@ -59,6 +59,11 @@ Differences from the HF module, by design:
       without it the hook is not installed). The hook sits on the MoELayer itself, outside its
       CUDA graphs (`enable_cuda_graphs`), so the logits come from the real rows on every call and
       the replays stay on. The cost is one extra router GEMM, only on calls that ask for them.
+    * The submodules under the HF names are this package's modules with their own calls:
+      `block.gate(x)` of a swapped block is the Router's, (topk_ids int32 [T, k], topk_weights
+      fp32 [T, k]) for x [T, H], where HF's router returns (router_logits, weights, indices);
+      `block.gate.logits(x)` gives the logits [T, E]. Hooks on the HF block or its submodules
+      do not move to the replacement: the swap warns (UserWarning) naming where they were.
     * A shared expert of width 0 (DeepSeek-V3 `n_shared_experts=0`, Qwen2-MoE
       `shared_expert_intermediate_size=0`: HF keeps an empty MLP, and Qwen2-MoE its [1, H] gate,
       that add zeros) stays a zero-width `SharedExpert` holding those tensors (it adds zeros
@@ -190,6 +195,11 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
         `model`, modified in place; when `model` itself is a supported block, the new MoELayer.
         Each replacement's forward maps hidden_states [..., H] (the experts' dtype) to [..., H].
 
+    Warns:
+        UserWarning: hooks on a replaced block or its submodules (forward / backward hooks
+            other than transformers' output recording, an accelerate hook), which the new
+            layer does not carry; a router_jitter_noise, which it does not apply.
+
     Raises:
         TypeError: a keyword other than backend/group/align.
         ValueError: the model holds an MoE block (a module with an `experts` child) of a class
@@ -216,6 +226,14 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
         raise ValueError(f"no MoE block found in {type(model).__name__}; supported: {supported_blocks()}")
     # Build (and validate) every replacement before the first one is installed.
     new = [(path, _build_layer(fam, block, topology, kw)) for path, fam, block in found]
+    hooked = [f"{path}.{name}" if name else path or "<root>"
+              for path, _, block in found for name, m in block.named_modules() if _user_hooks(m)]
+    if hooked:
+        warnings.warn(f"swap_moe_layers: hooks on the replaced HF modules are not carried over "
+                      f"({', '.join(hooked[:4])}{', ...' if len(hooked) > 4 else ''}: forward / "
+                      "backward hooks, or an accelerate hook); register them again on the "
+                      "MoELayer (hidden_states [..., H] -> [..., H]) or its router / experts "
+                      "after the swap", stacklevel=2)
     jittered = [(fam.name, block.jitter_noise) for _, fam, block in found
                 if getattr(block, "jitter_noise", 0)]
     if jittered:
@@ -244,6 +262,16 @@ def _walk(module: nn.Module, path: str, found: list, unsupported: list) -> None:
         return
     for name, child in module.named_children():
         _walk(child, f"{path}.{name}" if path else name, found, unsupported)
+
+
+def _user_hooks(module: nn.Module) -> bool:
+    """Whether `module` has forward / backward (pre-)hooks other than transformers' own output
+    recording (installed on a model's first forward; the swapped layers record router logits
+    themselves), or an accelerate hook (`_hf_hook`: device placement, offloading)."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values(),
+             *module._backward_hooks.values(), *module._backward_pre_hooks.values())
+    return hasattr(module, "_hf_hook") or any(
+        not getattr(h, "__module__", "").startswith("transformers.") for h in hooks)
 
 
 def _contains_moe_layer(model: nn.Module) -> bool:

@@ -503,7 +503,9 @@ def test_router_logits_and_aux_loss(family, hooked_before_swap):
         else:
             ref = copy.deepcopy(model)(ids, labels=ids, output_router_logits=True)
             assert not getattr(model, "_output_capturing_hooks_installed", False)
-        swap_moe_layers(model)
+        with warnings.catch_warnings():  # (transformers' own recording hooks: no warning)
+            warnings.simplefilter("error")
+            swap_moe_layers(model)
         out = model(ids, labels=ids, output_router_logits=True)
         plain = model(ids)
     assert len(ref.router_logits) == len(out.router_logits) == 2
@@ -512,6 +514,24 @@ def test_router_logits_and_aux_loss(family, hooked_before_swap):
     if ref.aux_loss is not None:  # DeepSeek-V3's head computes no aux loss
         assert rel_err(out.aux_loss, ref.aux_loss) <= 1e-5 and rel_err(out.loss, ref.loss) <= 1e-5
     assert plain.router_logits is None
+
+
+def test_hooks_on_replaced_modules_are_named_in_a_warning():
+    """Hooks on an HF block or its submodules (here a forward hook on the block, a pre-hook on
+    its router, an accelerate-style `_hf_hook`) do not move to the new layer: the swap warns,
+    naming where they were; the swapped model still runs."""
+    model = tiny_model("qwen3_moe", True)
+    seen = []
+    blocks = hf_blocks(model)
+    blocks[0].register_forward_hook(lambda m, a, o: seen.append(m))
+    blocks[1].gate.register_forward_pre_hook(lambda m, a: seen.append(m))
+    blocks[1].experts._hf_hook = object()
+    with pytest.warns(UserWarning, match=r"hooks on the replaced HF modules are not carried over "
+                                         r"\(model\.layers\.0\.mlp, model\.layers\.1\.mlp\.experts, "
+                                         r"model\.layers\.1\.mlp\.gate:"):
+        swap_moe_layers(model)
+    model(torch.randint(0, 64, (1, 4)))
+    assert seen == []
 
 
 def test_a_swapped_model_compiles_whole_with_router_logits():
@@ -642,6 +662,18 @@ def test_greedy_generate_unchanged(family):
         ref = model.generate(ids, **kw)
         out = swap_moe_layers(model).generate(ids, **kw)
     assert ref.shape == (2, 11) and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_forward_mode_ad_matches_hf(family):
+    """torch.func.jvp through a swapped block gives HF's tangent (the HF experts' eager loop has
+    forward derivatives; the swapped layer takes its own loop under forward AD)."""
+    block = hf_blocks(tiny_model(family, True))[-1]
+    x, v = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    want = torch.func.jvp(block, (x,), (v,))
+    got = torch.func.jvp(swap_moe_layers(copy.deepcopy(block)), (x,), (v,))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_deepseek_router_weight_kept_in_fp32_in_a_bf16_model():
