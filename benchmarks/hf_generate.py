@@ -7,6 +7,11 @@ in memory: a released model's layer sizes, fewer layers) runs HF's own greedy ge
   ours          swap_moe_layers(model, backend="cute") (the same weights, shared);
   ours+graphs   the same, each MoELayer replaying CUDA graphs for decode-sized calls
                 (MoELayer.enable_cuda_graphs; the rest of the model stays eager).
+With --static, two more: "hf static" and "ours static", generate(cache_implementation="static"),
+HF's fast decoding path: a static KV cache, and generate compiles the model's decoding forward
+itself (torch.compile with transformers' CompileConfig defaults, mode "reduce-overhead": the
+decode steps replay inductor's CUDA graphs; the swapped layers enter that graph as the
+torch.ops.moe_runtime ops). The first generate of each row compiles (the warm-up, untimed).
 Rows: B prompts of P random tokens, N new tokens (min_new_tokens = N: no early stop).
 Columns: prefill ms (generate with one new token), decode ms per token ((time of N tokens -
 time of 1) / (N - 1)), decode tokens/s (B per step), and the share of the generated ids equal
@@ -15,7 +20,7 @@ difference; every later token of that sequence then follows another path).
 Times are the best of --repeats runs. Prints a table, writes JSON; never asserts a time.
 
 Usage: python benchmarks/hf_generate.py [--models qwen3-30b-a3b,mixtral] [--layers 4]
-       [--batch 1,16] [--prompt 128] [--new 64] [--out F]
+       [--batch 1,16] [--prompt 128] [--new 64] [--static] [--out F]
 """
 from __future__ import annotations
 
@@ -58,23 +63,28 @@ def hf_model(name: str, layers: int) -> torch.nn.Module:
     return model
 
 
-def generate_s(model, ids: torch.Tensor, new: int, repeats: int) -> tuple[float, torch.Tensor]:
-    """Best wall seconds of greedy generate(ids, exactly `new` tokens), and its new ids."""
+def generate_s(model, ids: torch.Tensor, new: int, repeats: int, static: bool = False
+               ) -> tuple[float, torch.Tensor]:
+    """Best wall seconds of greedy generate(ids, exactly `new` tokens), and its new ids;
+    `static`: with a static KV cache (generate then compiles the decoding forward)."""
     best, out = float("inf"), None
+    cache = {"cache_implementation": "static"} if static else {}
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+                             max_new_tokens=new, min_new_tokens=new, pad_token_id=0, **cache)
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best, out[:, ids.shape[1]:]
 
 
-def measure(model, ids: torch.Tensor, new: int, repeats: int) -> dict:
-    generate_s(model, ids, 2, 1)  # warm-up: compiles, workspaces, first-touch of the weights
-    prefill, _ = generate_s(model, ids, 1, repeats)
-    whole, out = generate_s(model, ids, new, repeats)
+def measure(model, ids: torch.Tensor, new: int, repeats: int, static: bool = False) -> dict:
+    # warm-up: compiles, workspaces, first-touch of the weights (static: the cache is sized to
+    # the prompt + `new`, so the timed shape is the one compiled)
+    generate_s(model, ids, new if static else 2, 1, static)
+    prefill, _ = generate_s(model, ids, 1, repeats, static)
+    whole, out = generate_s(model, ids, new, repeats, static)
     step = (whole - prefill) / (new - 1)
     return dict(prefill_ms=prefill * 1e3, decode_ms_per_token=step * 1e3,
                 decode_tokens_per_s=ids.shape[0] / step, ids=out)
@@ -89,10 +99,15 @@ def run_model(name: str, a) -> list[dict]:
     rows = {B: {} for B in a.batch}
     for B, ids in prompts.items():
         rows[B]["hf"] = measure(model, ids, a.new, a.repeats)
+        if a.static:
+            rows[B]["hf static"] = measure(model, ids, a.new, a.repeats, static=True)
+    torch._dynamo.reset()  # (the swap changes the model: compile it afresh)
     swap_moe_layers(model, backend="cute")
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     for B, ids in prompts.items():
         rows[B]["ours"] = measure(model, ids, a.new, a.repeats)
+        if a.static:
+            rows[B]["ours static"] = measure(model, ids, a.new, a.repeats, static=True)
     for layer in layers:
         layer.enable_cuda_graphs()
     for B, ids in prompts.items():
@@ -117,6 +132,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens P")
     ap.add_argument("--new", type=int, default=64, help="new tokens N (>= 2)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--static", action="store_true",
+                    help="also time generate with a static KV cache (compiled decoding)")
     ap.add_argument("--out", default="bench_out/hf_generate.json")
     a = ap.parse_args(argv)
     a.batch = [int(b) for b in a.batch.split(",")]
@@ -132,12 +149,12 @@ def main(argv=None) -> None:
     rows = []
     for name in names:
         rows += run_model(name, a)
-    head = (f"{'model':<15}{'layers':>7}{'B':>4}{'way':>13}{'prefill ms':>12}{'ms/token':>10}"
+    head = (f"{'model':<15}{'layers':>7}{'B':>4}{'way':>12}{'prefill ms':>12}{'ms/token':>10}"
             f"{'tokens/s':>10}{'vs hf':>7}{'same ids':>10}")
     print(f"# {machine}, prompt {a.prompt} tokens, {a.new} new\n{head}")
     for r in rows:
         hf = next(h for h in rows if h["model"] == r["model"] and h["B"] == r["B"] and h["way"] == "hf")
-        print(f"{r['model']:<15}{r['layers']:>7}{r['B']:>4}{r['way']:>13}{r['prefill_ms']:>12.2f}"
+        print(f"{r['model']:<15}{r['layers']:>7}{r['B']:>4}{r['way']:>12}{r['prefill_ms']:>12.2f}"
               f"{r['decode_ms_per_token']:>10.2f}{r['decode_tokens_per_s']:>10.0f}"
               f"{hf['decode_ms_per_token'] / r['decode_ms_per_token']:>6.2f}x"
               f"{r['same_ids_as_hf']:>10.2f}")

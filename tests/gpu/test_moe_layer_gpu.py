@@ -282,6 +282,66 @@ def test_swapped_model_logits_bf16(family):
     assert err <= err_hf + 1e-2, (err, err_hf)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_swapped_model_generates_with_a_static_cache_compiled(monkeypatch, family):
+    """HF's fast decoding path on a swapped model: generate(cache_implementation="static")
+    compiles the decoding forward itself (here fullgraph=True, inductor, mode
+    "reduce-overhead": CUDA-graph replays). The swapped layers enter that graph as the CuTeDSL
+    ops (fullgraph: no graph break; the decode steps call them), and the compiled decode
+    steps' logits stay as close to HF's own compiled ones and to the eager swapped model's as
+    HF's compiled logits are to its eager ones (inductor fuses the norms and attention in
+    bf16 differently). Every token takes every expert (no near-tie routing), and logits are
+    compared while the chosen ids agree (a near-tie of the logits may send two runs down
+    different paths)."""
+    from collections import Counter
+    from transformers import CompileConfig
+    from moe_runtime import swap_moe_layers
+    from moe_runtime.kernels import cute_ops
+    from test_hf_swap import tiny_model
+
+    model = tiny_model(family, **{**SWAP_SIZES, **SWAP_FAMILIES[family], **ALL_EXPERTS[family]},
+                       experts_implementation="grouped_mm").to(DEV, torch.bfloat16)  # (HF's
+    # eager experts loop over the experts hit, a data-dependent loop fullgraph refuses)
+    ids = torch.randint(0, SWAP_SIZES["vocab_size"], (4, 8), device=DEV,
+                        generator=torch.Generator(device=DEV).manual_seed(3))
+    calls, phase = Counter(), ["prefill"]
+    for name in ("route", "dispatch", "combine", "expert_gemv", "swiglu_grouped_gemm"):
+        def counted(*a, _fn=getattr(cute_ops, name), _name=name, **kw):
+            if _name == "route":  # (logits [T, E]: a decode step routes B rows)
+                phase[0] = "decode" if a[0].shape[0] == ids.shape[0] else "prefill"
+            calls[phase[0], _name] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(cute_ops, name, counted)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+              min_new_tokens=6, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    static = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
+    runs = {}
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        runs["hf"], runs["hf static"] = model.generate(ids, **kw), model.generate(ids, **static, **kw)
+        torch._dynamo.reset()
+        swap_moe_layers(model, backend="cute")
+        runs["ours"] = model.generate(ids, **kw)
+        calls.clear()
+        runs["ours static"] = model.generate(ids, **static, **kw)
+    torch._dynamo.reset()
+    assert all(calls["decode", n] for n in ("route", "dispatch", "combine")), calls
+    # the experts: the GEMV, or quack's GEMM where it runs (else torch._grouped_mm, not counted)
+    assert (calls["decode", "expert_gemv"] or calls["decode", "swiglu_grouped_gemm"]
+            or not gg.quack_supported(0, torch.bfloat16)), calls
+    new = {way: r.sequences[:, ids.shape[1]:] for way, r in runs.items()}
+    assert all(n.shape == (ids.shape[0], 6) for n in new.values())
+    assert all(torch.equal(n[:, :2], new["hf"][:, :2]) for n in new.values()), new
+    for step in range(6):
+        if any(not torch.equal(n[:, :step], new["hf"][:, :step]) for n in new.values()):
+            break
+        err = {pair: rel_err(runs[pair[0]].logits[step], runs[pair[1]].logits[step])
+               for pair in (("ours static", "hf static"), ("ours static", "ours"),
+                            ("hf static", "hf"))}
+        assert err["ours static", "hf static"] <= 2e-2, (step, err)
+        assert err["ours static", "ours"] <= err["hf static", "hf"] + 1e-2, (step, err)
+
+
 def test_recorded_forward_on_cuda(layer):
     """A forward autograd records: backend "cute" (the fixture) raises; backend "auto" runs the
     differentiable torch kernels (x gets a finite, nonzero gradient; the output agrees with the
