@@ -1003,17 +1003,20 @@ def test_sampler_greedy_top_p_and_seeds():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(max_new_tokens=0)
-    for bad in (float("nan"), float("inf")):  # (a NaN checkpoint: a named cause, not multinomial's)
-        poisoned = logits.clone()
-        poisoned[1, 2] = bad
-        with pytest.raises(ValueError, match="sampling: the logits of row 1 hold NaN or \\+inf"):
-            sample(poisoned, hot, request_generators(0, [0, 1]))
-    masked = logits.clone()
-    masked[0, :3] = float("-inf")  # (-inf logits are masked tokens: fine while one is finite)
-    assert int(sample(masked, hot, request_generators(0, [0, 1]))[0]) == 3
-    masked[0, 3] = float("-inf")
-    with pytest.raises(ValueError, match="row 0 hold NaN or \\+inf or no finite value"):
-        sample(masked, hot, request_generators(0, [0, 1]))
+    # a NaN checkpoint: a named cause, greedy (argmax would pick an arbitrary token) or not
+    # (torch.multinomial's text names none)
+    for params in (hot, SamplingParams()):
+        for bad in (float("nan"), float("inf")):
+            poisoned = logits.clone()
+            poisoned[1, 2] = bad
+            with pytest.raises(ValueError, match="sampling: the logits of row 1 hold NaN or \\+inf"):
+                sample(poisoned, params, request_generators(0, [0, 1]))
+        masked = logits.clone()
+        masked[0, :3] = float("-inf")  # (-inf logits are masked tokens: fine while one is finite)
+        assert int(sample(masked, params, request_generators(0, [0, 1]))[0]) == 3
+        masked[0, 3] = float("-inf")
+        with pytest.raises(ValueError, match="row 0 hold NaN or \\+inf or no finite value"):
+            sample(masked, params, request_generators(0, [0, 1]))
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-46, 1e-300, 1e-20])

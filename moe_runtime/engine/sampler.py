@@ -122,18 +122,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
         int64 [B] token ids on the CPU. Greedy picks on the logits' device (only the ids come
         to the host); sampling runs on the CPU with the per-request CPU generators (the same
         draws whatever the device).
+
+    Raises:
+        ValueError: a row's largest logit is not finite (the row holds NaN or +inf, or no
+            finite value: non-finite weights or activations), greedy or not (argmax would
+            pick an arbitrary token there, torch.multinomial fail naming no cause).
     """
-    if params.temperature < torch.finfo(torch.float32).tiny or logits.shape[0] == 0:
-        return logits.argmax(-1).cpu()  # (below fp32's smallest normal, x / T is 0 / 0 at the max)
-    logits = logits.float().cpu()
-    bad = (logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)
-    if bad.any():  # (torch.multinomial's own text names no cause)
-        raise ValueError(f"sampling: the logits of row {int(bad.nonzero()[0])} hold NaN or +inf "
-                         "or no finite value (non-finite weights or activations: check the "
-                         "checkpoint)")
+    if logits.shape[0] == 0:
+        return logits.argmax(-1).cpu()
+    top, ids = logits.max(-1)  # (NaN anywhere in a row makes its max NaN; first index of ties)
+    if params.temperature < torch.finfo(torch.float32).tiny:  # (x / T is 0 / 0 at the max)
+        ids = torch.where(top.isfinite(), ids, -1).cpu()  # (one transfer: the ids, -1 if bad)
+        _check_finite(ids >= 0)
+        return ids
+    logits, top = logits.float().cpu(), top.float().cpu()
+    _check_finite(top.isfinite())
     # shifted so that the largest is 0: a tiny temperature sends the others to -inf (greedy)
     # instead of overflowing every logit to +-inf (nan probabilities)
-    shifted = logits - logits.max(-1, keepdim=True).values
+    shifted = logits - top[:, None]
     if params.top_k is not None and params.top_k < shifted.shape[-1]:
         kth = shifted.topk(params.top_k, dim=-1).values[:, -1:]
         shifted = shifted.masked_fill(shifted < kth, float("-inf"))  # (ties at the k-th kept)
@@ -147,3 +153,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Sequence[to
         sorted_p = sorted_p.masked_fill(drop, 0.0)  # value rounds to 0 there and dropped all)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+def _check_finite(ok: torch.Tensor) -> None:
+    """ValueError naming the first row whose largest logit is not finite (ok: bool [B], CPU)."""
+    if not bool(ok.all()):
+        raise ValueError(f"sampling: the logits of row {int((~ok).nonzero()[0])} hold NaN or +inf "
+                         "or no finite value (non-finite weights or activations: check the "
+                         "checkpoint)")
