@@ -131,9 +131,9 @@ class Router(CheckedModule):
         """Speed rule (ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_MAX_WEIGHTS) and the GEMV's needs:
         contiguous, 16-byte aligned 16-bit rows of 16-byte multiples and weight on one CUDA
         device with the cute backend, nothing for autograd to record, no forward-mode AD
-        (anything else takes
-        F.linear, which accepts it). While torch.compile traces, the layout is not tested
-        (dynamo cannot trace data_ptr()): the custom op copies what the GEMV cannot read."""
+        (anything else takes F.linear, which accepts it). While torch.compile traces, the
+        layout is not tested (dynamo cannot trace data_ptr()): the custom op copies what the
+        GEMV cannot read."""
         w = self.weight if w is None else w
         return (x.is_cuda and x.dim() == 2 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
                 and w.numel() <= ROUTER_GEMV_MAX_WEIGHTS and x.dtype == w.dtype
