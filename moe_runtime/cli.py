@@ -61,8 +61,8 @@ def _shard_size(text: str) -> int:
         return parse_shard_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be a size such as 500MB, 2GB (units B, KB, MB, GB, TB) or a number of bytes, "
-            f"got {text!r}") from None
+            f"must be a positive size such as 500MB, 2GB (units B, KB, MB, GB, TB) or a number "
+            f"of bytes > 0, got {text!r}") from None
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):

@@ -352,7 +352,7 @@ def test_make_checkpoint_max_shard_size_is_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["make-checkpoint", "--max-shard-size", "banana", str(tmp_path / "x")])
     assert e.value.code == 2 and "Unit" not in (err := capsys.readouterr().err)
-    assert "argument --max-shard-size: must be a size such as 500MB, 2GB" in err
+    assert "argument --max-shard-size: must be a positive size such as 500MB, 2GB" in err
     assert not os.path.exists(tmp_path / "x")
     from moe_runtime.cli import build_parser
     for ok, size in (("500MB", 500 * 10 ** 6), ("2GB", 2 * 10 ** 9), ("1000000", 10 ** 6),

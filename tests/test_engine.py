@@ -859,7 +859,8 @@ def test_generate_without_progress_times_out_naming_the_ranks(monkeypatch):
     monkeypatch.setattr(eng, "_kill_workers", lambda: killed.append(True))
     t0 = time.monotonic()
     with pytest.raises(RankError, match=r"rank 0 failed during generate: TimeoutError: ranks "
-                                        r"\[0, 1\] made no progress for 0.2s"):
+                                        r"\[0, 1\] made no progress for 0.2s \(timeout_s, "
+                                        r"the CLI's --timeout: raise it"):
         eng._call_all("generate", "generate", progress=True)
     assert killed == [True] and 0.5 < time.monotonic() - t0 < 5  # two bounds extended it once
 

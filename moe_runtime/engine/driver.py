@@ -599,7 +599,8 @@ class Engine:
                     silent = self._silent(stuck)  # (a stopped, hung or busy process: the culprit)
                     self._kill_workers()
                     bound = "made no progress for" if progress else "did not finish within"
-                    why = f"ranks {stuck} {bound} {self.timeout_s:g}s"
+                    why = (f"ranks {stuck} {bound} {self.timeout_s:g}s (timeout_s, the CLI's "
+                           "--timeout: raise it if they need longer)")
                     if silent:
                         why = (f"ranks {silent} stopped answering (no reply to a progress query "
                                f"within {_SILENT_S:g}s: a stopped, hung or busy process); {why}")
