@@ -27,18 +27,23 @@ from torch import Tensor
 
 def loop_linear(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """out [N, M] in x.dtype from x [N, K], w [E, M, K] and int32 offsets [E + 1] (read on the
-    host): out[r] = x[r] @ w[e].T for offsets[e] <= r < offsets[e + 1], zero past offsets[E].
+    host, offsets[0] = 0): out[r] = x[r] @ w[e].T for offsets[e] <= r < offsets[e + 1], zero
+    past offsets[E].
     With no rows at all, out still depends on w (autograd gives it a zero gradient, as for
-    torch._grouped_mm, not None: a data-parallel rank with no tokens reduces zeros)."""
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    torch._grouped_mm, not None: a data-parallel rank with no tokens reduces zeros).
+
+    Recorded by autograd, the experts' weights come from one `unbind` and the output is one
+    `cat`: the backward builds grad_w once ([E, M, K]) and hands out views of the output's
+    gradient. (Indexing w[e] and writing out[lo:hi] in place cost, per expert, a zero-filled
+    [E, M, K] gradient and a copy of the [N, M] one: 2.2 s instead of 40 ms for a backward
+    with E = 128 on CPU.)"""
     bounds = offsets.tolist()
-    for e in range(w.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
-            out[lo:hi] = F.linear(x[lo:hi], w[e])
-    if bounds[-1] == 0 and w.shape[0]:
-        out[:0] = F.linear(x[:0], w[0])
-    return out
+    ws = w.unbind(0)
+    pieces = [F.linear(x[lo:hi], we) for we, lo, hi in zip(ws, bounds, bounds[1:]) if hi > lo]
+    if not pieces and ws:
+        pieces.append(F.linear(x[:0], ws[0]))
+    pieces.append(x.new_zeros(x.shape[0] - bounds[-1], w.shape[1]))
+    return torch.cat(pieces).to(x.dtype)
 
 
 # cudagraph_unsafe: the host read of the offsets must not be captured in inductor's CUDA graphs
