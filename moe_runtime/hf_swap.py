@@ -16,11 +16,14 @@ family above, up to names (`tests/test_hf_swap.py` compares each one's output wi
       (Glm4vMoeTextMoE), GLM-4-MoE-Lite (Glm4MoeLiteMoE), GLM-MoE-DSA (GlmMoeDsaMoE), Kimi-Linear
       (KimiLinearMoE), dots.llm1 (Dots1MoE), Solar-Open (SolarOpenMoE), Bailing-Hybrid
       (BailingHybridMoE);
-    * as Qwen2-MoE: Qwen3-Next (Qwen3NextSparseMoeBlock), Qwen4-Exp (Qwen4ExpTextSparseMoeBlock);
-    * as Qwen3-MoE: Mellum (MellumSparseMoeBlock), and Qwen3-VL-MoE
-      (Qwen3VLMoeTextSparseMoeBlock), whose router always renormalizes (no `norm_topk_prob`);
+    * as Qwen2-MoE: Qwen3-Next (Qwen3NextSparseMoeBlock), Qwen4-Exp (Qwen4ExpTextSparseMoeBlock),
+      the Qwen3-Omni-MoE talker (Qwen3OmniMoeTalkerTextSparseMoeBlock), and Qwen3.5-MoE
+      (Qwen3_5MoeSparseMoeBlock), whose router always renormalizes (no `norm_topk_prob`);
+    * as Qwen3-MoE: Mellum (MellumSparseMoeBlock), the Qwen3-Omni-MoE thinker
+      (Qwen3OmniMoeThinkerTextSparseMoeBlock), and Qwen3-VL-MoE (Qwen3VLMoeTextSparseMoeBlock),
+      whose router always renormalizes;
     * as OLMoE: FlexOlmo (FlexOlmoSparseMoeBlock); as Mixtral: MiniMax-Text-01
-      (MiniMaxSparseMoeBlock; MiniMax-M2's block differs and is refused, as is Qwen3.5-MoE's).
+      (MiniMaxSparseMoeBlock; MiniMax-M2's block differs and is refused).
 
 Every family stores its routed experts in the fused v5 layout that `Experts` uses as is
 (gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I], SiLU, no bias), its router
@@ -166,7 +169,10 @@ FAMILIES = (
     _like(_DSV3, "Bailing-Hybrid", "bailing_hybrid", "BailingHybridMoE"),
     _like(_QWEN2, "Qwen3-Next", "qwen3_next", "Qwen3NextSparseMoeBlock"),
     _like(_QWEN2, "Qwen4-Exp", "qwen4_exp", "Qwen4ExpTextSparseMoeBlock"),
+    _like(_QWEN2, "Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", norm_topk_prob=True),
+    _like(_QWEN2, "Qwen3-Omni-MoE talker", "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextSparseMoeBlock"),
     _like(_QWEN3, "Mellum", "mellum", "MellumSparseMoeBlock"),
+    _like(_QWEN3, "Qwen3-Omni-MoE thinker", "qwen3_omni_moe", "Qwen3OmniMoeThinkerTextSparseMoeBlock"),
     _like(_QWEN3, "Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock",
           norm_topk_prob=True),
     _like(_OLMOE, "FlexOlmo", "flex_olmo", "FlexOlmoSparseMoeBlock"),

@@ -141,6 +141,11 @@ BLOCK_CONFIGS = {
     "BailingHybridMoE": ("bailing_hybrid", "BailingHybridConfig"),
     "Qwen3NextSparseMoeBlock": ("qwen3_next", "Qwen3NextConfig"),
     "Qwen4ExpTextSparseMoeBlock": ("qwen4_exp", "Qwen4ExpTextConfig"),
+    "Qwen3_5MoeSparseMoeBlock": ("qwen3_5_moe", "Qwen3_5MoeTextConfig"),
+    # (a released talker's config.json carries shared_expert_intermediate_size, the class not)
+    "Qwen3OmniMoeTalkerTextSparseMoeBlock": ("qwen3_omni_moe", "Qwen3OmniMoeTalkerTextConfig",
+                                             dict(shared_expert_intermediate_size=24)),
+    "Qwen3OmniMoeThinkerTextSparseMoeBlock": ("qwen3_omni_moe", "Qwen3OmniMoeTextConfig"),
     "MellumSparseMoeBlock": ("mellum", "MellumConfig"),
     "Qwen3VLMoeTextSparseMoeBlock": ("qwen3_vl_moe", "Qwen3VLMoeTextConfig"),
     "FlexOlmoSparseMoeBlock": ("flex_olmo", "FlexOlmoConfig"),
@@ -159,11 +164,12 @@ BLOCK_CASES = [(f.block, norm) for f in FAMILIES
 def test_every_family_block_matches_hf(block_name, norm):
     """Each supported block, built from its own config with random weights (and a random
     correction bias), against the swapped MoELayer on the same input, sharing its tensors."""
-    model_dir, config_name = BLOCK_CONFIGS[block_name]
+    model_dir, config_name, *extra = BLOCK_CONFIGS[block_name]
     where = f"transformers.models.{model_dir}"
     modeling = pytest.importorskip(f"{where}.modeling_{model_dir}",
                                    reason=f"{where} is not in this transformers version")
-    cfg = getattr(importlib.import_module(f"{where}.configuration_{model_dir}"), config_name)()
+    cfg = getattr(importlib.import_module(f"{where}.configuration_{model_dir}"), config_name)(
+        **(extra[0] if extra else {}))
     for name, value in {**BLOCK_SIZES, **({} if norm is None else {"norm_topk_prob": norm})}.items():
         if hasattr(cfg, name):
             setattr(cfg, name, value)
