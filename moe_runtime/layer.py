@@ -431,8 +431,9 @@ class MoELayer(nn.Module):
             possibly another input dtype; calls under autocast never replay CUDA graphs).
 
         Raises:
-            TypeError: not a tensor, another dtype than the weights' (outside autocast),
-                weights of different dtypes (e.g. `.half()` on a submodule only), or float64.
+            TypeError: not a tensor, not dense (sparse, nested), another dtype than the
+                weights' (outside autocast), weights of different dtypes (e.g. `.half()` on a
+                submodule only), or float64.
             ValueError: last dimension not H, another device than the weights, the meta
                 device (a layer not materialized yet), a weight
                 replaced by one of another shape without an assignment (`.data = `), or
@@ -445,6 +446,9 @@ class MoELayer(nn.Module):
         c = self.config
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.layout != torch.strided:  # (sparse, or a nested tensor's jagged)
+            raise TypeError(f"hidden_states must be a dense tensor (torch.strided), got layout "
+                            f"{hidden_states.layout}")
         if hidden_states.dim() == 0 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
         device = hidden_states.device

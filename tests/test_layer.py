@@ -77,6 +77,11 @@ def test_layer_bad_input():
         layer(torch.empty(3, 16, device="meta"))
     with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, got list"):
         layer([[0.0] * 16])
+    with pytest.raises(TypeError, match="dense tensor .* got layout torch.sparse_coo"):
+        layer(torch.randn(3, 16).to_sparse())
+    nested = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(2, 16)], layout=torch.jagged)
+    with pytest.raises(TypeError, match="dense tensor .* got layout torch.jagged"):
+        layer(nested)
 
 
 @pytest.mark.parametrize("bad,exc,msg", [

@@ -808,6 +808,10 @@ def test_make_topology_rejects_bad_arguments():
         make_topology("local", "4")
     with pytest.raises(TypeError, match="align must be an int"):
         make_topology("local", 4, align=2.5)
+    for align in (0, 1025, 10 ** 9):  # (10**9 tried to allocate E * 10**9 padding rows)
+        with pytest.raises(ValueError, match=rf"align must be in \[1, 1024\], got {align}"):
+            make_topology("local", 4, align=align)
+    assert make_topology("local", 4, align=1024).align == 1024
     with pytest.raises(ValueError, match="'bogus'"):
         make_topology("local", 4, backend="bogus")
     with pytest.raises(TypeError, match="ProcessGroup"):

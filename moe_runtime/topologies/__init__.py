@@ -54,7 +54,7 @@ def make_topology(name: str, num_experts: int, *, group=None, align: int = 1,
         ValueError: unknown name (the message lists the known ones), bad backend, "cute"
             without CUDA or CuTeDSL (multi-rank topologies: here; "local": at its first call
             on a device, since a layer may move to CUDA after construction), experts not
-            divisible by the world size, align < 1, a
+            divisible by the world size, align outside [1, 1024], a
             multi-rank group for "local", max_tokens_per_rank / transport for a topology
             without peer buffers, timeout_s NaN, infinite or below 0.001 s (comm.groups.
             check_timeout_s) or, for backend "cute", above kernels.peer_sync.MAX_TIMEOUT_S.

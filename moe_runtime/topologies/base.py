@@ -46,17 +46,23 @@ class CallAbandoned(RuntimeError):
     the ranks are still in step (the next call works)."""
 
 
+# The largest per-expert row alignment: the dispatch buffer holds E_local * (align - 1) rows of
+# padding (kernels.reference.dispatch_capacity); grouped GEMM M tiles are 64-256 rows.
+MAX_ALIGN = 1024
+
+
 class Topology(abc.ABC):
     """Base class: rank/world bookkeeping, the even expert split, input validation.
 
     Args:
         num_experts: E, experts of the whole layer.
         rank, world_size: this rank and the number of ranks.
-        align: pad each local expert's row segment start to a multiple of this (>= 1).
+        align: pad each local expert's row segment start to a multiple of this (1..MAX_ALIGN).
 
     Raises:
         TypeError: num_experts or align not an int.
-        ValueError: num_experts < 1, num_experts % world_size != 0, or align < 1.
+        ValueError: num_experts < 1, num_experts % world_size != 0, or align outside
+            [1, MAX_ALIGN].
     """
 
     name: str = "base"
@@ -73,8 +79,10 @@ class Topology(abc.ABC):
             raise ValueError(
                 f"num_experts ({num_experts}) must be divisible by world_size ({world_size}): "
                 "experts are split evenly across ranks")
-        if align < 1:
-            raise ValueError(f"align must be >= 1, got {align}")
+        if not 1 <= align <= MAX_ALIGN:
+            raise ValueError(f"align must be in [1, {MAX_ALIGN}], got {align} (every local expert's "
+                             "rows are padded up to a multiple of it: align = a grouped GEMM's M "
+                             "tile, at most 256 rows)")
         self.num_experts = num_experts
         self.rank = rank
         self.world_size = world_size

@@ -192,8 +192,8 @@ class GroupTopology(Topology):
 
     Raises:
         ValueError: unknown backend; "cute" without CUDA or CuTeDSL; num_experts % world_size
-            != 0; align < 1; timeout_s below 0.001 s, NaN or infinite (TypeError: not a
-            number).
+            != 0; align outside [1, 1024]; timeout_s below 0.001 s, NaN or infinite
+            (TypeError: not a number).
         BackendNotImplementedError: backend "cute" for a topology without one (dp_p2p).
         RuntimeError: a group is given but torch.distributed is not initialized.
     """
