@@ -5,7 +5,9 @@
     moe-runtime demo            # tiny Qwen3-MoE checkpoint (made once, cached), 2 CPU ranks
 
 Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops generation, kills the rank actors and stops
-an embedded Ray: no Ray processes are left behind. Exit codes: 0 ok, 1 error (a missing
+an embedded Ray: no Ray processes are left behind. SIGTERM to the whole process group (`timeout`,
+systemd, Slurm) stops an embedded Ray's GCS too: the command then kills what is left of that Ray
+and exits within about 10 s (driver._CONTROL_PLANE_S) without waiting for Ray. Exit codes: 0 ok, 1 error (a missing
 dependency included: one line with the install command; a damaged checkpoint), 2 usage (a bad
 argument value, checked before anything starts; for make-checkpoint also an OUT_DIR that is a
 file, not empty or not writable; for generate/demo also a --model that is not a directory, a
@@ -20,7 +22,7 @@ import math
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 DEMO_PROMPTS = ("A mixture of experts model", "The quick brown fox",
                 "Expert parallelism places different experts on different ranks, so")
@@ -304,8 +306,12 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the clean-up
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if engine is not None:
+            embedded = engine.started_ray
             engine.shutdown()
-        _stop_ray()
+            if engine.ray_lost:
+                _abandon_ray(embedded)
+        if not _RAY_LOST:
+            _stop_ray()
         # (None: a handler installed outside Python, which cannot be put back from here)
         signal.signal(signal.SIGINT, signal.default_int_handler if previous_int is None
                       else previous_int)
@@ -335,6 +341,45 @@ def _interrupted_code(e: BaseException) -> int:
     return 128 + (_SIGNALLED[-1] if _SIGNALLED else signal.SIGINT)
 
 
+# set when Ray's GCS stopped answering during a shutdown (Engine.ray_lost): `run` then ends the
+# process at once, since Ray's exit hook (ray.shutdown) would wait for the GCS
+_RAY_LOST: list[bool] = []
+
+
+def _abandon_ray(embedded: bool) -> None:
+    """Ray's GCS is gone (e.g. SIGTERM to the whole process group reached an embedded Ray
+    too): kill what is left of an embedded Ray (this process's descendants) and mark the
+    process to end without Ray's exit hook."""
+    _RAY_LOST.append(True)
+    print("moe-runtime: Ray's control plane (GCS) stopped answering; "
+          + ("killing the processes of the Ray this command started" if embedded else
+             "leaving the cluster (its driver's actors end with this process)"),
+          file=sys.stderr, flush=True)
+    if embedded:
+        import psutil
+        for p in psutil.Process().children(recursive=True):
+            try:
+                p.kill()
+            except psutil.Error:  # (already gone)
+                pass
+
+
+def exit_with(code: int) -> NoReturn:
+    """sys.exit(code), or, after Ray's GCS was lost (`_abandon_ray`), os._exit(code) once the
+    output is flushed: Ray's exit hook (ray.shutdown) would block on the GCS until Ray aborted
+    the process 60 s later with exit code 1."""
+    if _RAY_LOST:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def run() -> None:
+    """The `moe-runtime` console script: main() on sys.argv, then `exit_with` its code."""
+    exit_with(main())
+
+
 def _stop_ray() -> None:
     """Stop (embedded) or disconnect from (joined) Ray, even when the engine never finished
     starting (Ctrl-C inside ray.init; nothing to do inside `import ray`)."""
@@ -349,6 +394,7 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
     """Run the command line `argv` (default sys.argv[1:]) parsed by `parser` (default
     build_parser()); returns the exit code (module docstring)."""
     _SIGNALLED.clear()
+    _RAY_LOST.clear()
     try:
         args = (parser or build_parser()).parse_args(argv)
         if args.command == "make-checkpoint":
@@ -386,4 +432,4 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -36,4 +36,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import exit_with
+    exit_with(main())

@@ -14,6 +14,8 @@ import collections.abc
 import logging
 import os
 import re
+import signal
+import threading
 import time
 import warnings
 import weakref
@@ -46,6 +48,11 @@ MAX_TIMEOUT_S = 1e6
 
 
 _SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent, _advanced)
+# A bound on killing the rank actors and removing their placement group (requests to Ray's GCS,
+# normally well under a second): past it the GCS counts as gone (`Engine.ray_lost`), e.g. when
+# SIGTERM reached the whole process group (`timeout`, systemd, Slurm) and with it the GCS of an
+# embedded Ray, whose requests otherwise block until Ray ends the process after 60 s.
+_CONTROL_PLANE_S = 10.0
 
 
 class RankError(RuntimeError):
@@ -333,6 +340,7 @@ class Engine:
     """
 
     _ray_gcs: Optional[str] = None  # the GCS address of the Ray this engine runs on
+    ray_lost: bool = False  # Ray's GCS stopped answering a shutdown (see _CONTROL_PLANE_S)
 
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
                  attention: str = "dp", ray_address: Optional[str] = None, device: str = "auto",
@@ -374,7 +382,7 @@ class Engine:
         self.topology_reason = ""
         self.rank_info: list[dict] = []
         self.device: Optional[str] = None  # "cuda" or "cpu" once Ray is up
-        self._started_ray = False
+        self._started_ray = False  # (shutdown stops it; `started_ray`)
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
         check_weights(model_dir)  # so do missing weights
@@ -394,8 +402,6 @@ class Engine:
 
     # -- set-up ---------------------------------------------------------------------------------
     def _start_ray(self, address: Optional[str], device: str, extra: dict) -> None:
-        import signal
-        import threading
         import ray
         # ray.init installs a C-level SIGTERM handler that aborts the process; keep the host
         # program's own handler (the CLI turns SIGTERM into a clean shutdown).
@@ -783,27 +789,54 @@ class Engine:
 
     # -- shutdown -------------------------------------------------------------------------------
     def _kill_workers(self) -> None:
-        import ray
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # already dead
-                pass
-        self.workers = []
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:
-                pass
-            self.placement_group = None
+        """Kill the rank actors and remove their placement group, bounded by _CONTROL_PLANE_S:
+        past it, `ray_lost` is set, the actors' processes on this machine are killed, and no
+        further Ray request is made (a driver's actors end with it on a cluster)."""
+        workers, group = self.workers, self.placement_group
+        self.workers, self.placement_group = [], None
+        if self.ray_lost or (not workers and group is None):
+            return
+
+        def kill():
+            import ray
+            for w in workers:
+                try:
+                    ray.kill(w, no_restart=True)
+                except Exception:  # already dead
+                    pass
+            if group is not None:
+                from ray.util.placement_group import remove_placement_group
+                try:
+                    remove_placement_group(group)
+                except Exception:
+                    pass
+        done = threading.Thread(target=kill, name="moe_runtime-kill-ranks", daemon=True)
+        done.start()
+        done.join(_CONTROL_PLANE_S)
+        if done.is_alive():
+            self.ray_lost = True
+            log.warning("moe_runtime: Ray's GCS did not answer within %gs while stopping the "
+                        "ranks (it was stopped too, e.g. SIGTERM to the whole process group); "
+                        "killing the rank processes on this machine", _CONTROL_PLANE_S)
+            for pid in self.worker_pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:  # gone, or on another machine
+                    pass
 
     def shutdown(self) -> None:
         """Leave the process group on every rank (best effort, bounded), kill the actors, remove
         the placement group, and stop Ray if this engine started it (also when its ray.init
-        was interrupted halfway). Idempotent."""
+        was interrupted halfway). Idempotent. Where Ray's GCS stopped answering (`ray_lost`)
+        it only kills the rank processes on this machine and leaves Ray alone: ray.shutdown
+        would wait for the GCS, and Ray ends a process whose GCS stays unreachable for 60 s
+        (the CLI exits at once instead, see cli.run)."""
         ray = _ray_module()
         if ray is None:  # interrupted inside `import ray`: nothing was started
+            return
+        if self.ray_lost:  # (the rank processes here were killed when it was found)
+            self.workers, self.placement_group = [], None
+            self._started_ray = False
             return
         # the Ray up now is this engine's unless it has another GCS (the user's own, or another
         # Engine's, started after this engine's Ray was stopped): that one is left alone
@@ -823,6 +856,11 @@ class Engine:
             ray.shutdown()  # (safe on a Ray that never finished starting)
             _EMBEDDED.clear()  # (whatever it named is not running now)
         self._started_ray = False
+
+    @property
+    def started_ray(self) -> bool:
+        """Whether this engine started the Ray it runs on (embedded; until shutdown)."""
+        return self._started_ray
 
     def __enter__(self):
         return self
