@@ -427,8 +427,11 @@ class MoELayer(nn.Module):
                 another dtype is cast to it (the ops inside then autocast as usual).
 
         Returns:
-            [..., H] with hidden_states' shape, in the layer's dtype (`dtype`; under autocast
-            possibly another input dtype; calls under autocast never replay CUDA graphs).
+            [..., H] with hidden_states' shape, in the layer's dtype (`dtype`). Under autocast
+            to another dtype the shared expert's output comes in that dtype and the sum
+            follows torch's type promotion, as in HF's blocks (a bf16 layer with a shared
+            expert under fp16 autocast returns float32); calls under autocast never replay
+            CUDA graphs.
 
         Raises:
             TypeError: not a tensor, not dense (sparse, nested), another dtype than the
