@@ -18,6 +18,7 @@ or a topology that does not fit it: all checked before Ray starts), 130 interrup
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import signal
@@ -151,7 +152,8 @@ def add_generate_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_AD
     p.add_argument("--model", required=True, help="HF-format checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    src.add_argument("--prompts-file", help="one prompt per line (blank lines are skipped)")
+    src.add_argument("--prompts-file", help="one prompt per line (blank lines are skipped); "
+                     "- reads standard input")
     add_engine_args(p, ray_address_help)
     p.set_defaults(command="generate")
 
@@ -180,15 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompts(args) -> list[str]:
-    """The --prompt texts or the --prompts-file lines. Raises UsageError: an unreadable or
-    non-UTF-8 prompts file, one with only blank lines, or a prompt that is not UTF-8 text."""
+    """The --prompt texts or the --prompts-file lines ("-": standard input). Raises UsageError:
+    an unreadable or non-UTF-8 prompts file, one with only blank lines, or a prompt that is not
+    UTF-8 text."""
     from .engine.driver import check_texts
     if args.prompt:
         prompts = list(args.prompt)
     else:
         try:
-            with open(args.prompts_file, encoding="utf-8-sig") as f:  # (a BOM is not text)
+            if args.prompts_file == "-":  # standard input (a pipe; a terminal until Ctrl-D)
+                f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig")
                 prompts = [line.rstrip("\r\n") for line in f if line.strip()]
+                f.detach()  # (sys.stdin stays open)
+            else:
+                with open(args.prompts_file, encoding="utf-8-sig") as f:  # (a BOM is not text)
+                    prompts = [line.rstrip("\r\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompts-file {args.prompts_file}: "
                              f"{e.strerror if isinstance(e, OSError) else e}") from None

@@ -508,6 +508,21 @@ def test_prompts_file_bom_is_not_prompt_text(tmp_path):
     assert _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(f))) == ["hello", "world"]
 
 
+def test_prompts_file_dash_reads_standard_input(monkeypatch):
+    import io
+    from types import SimpleNamespace
+
+    from moe_runtime.cli import UsageError, _read_prompts
+    args = SimpleNamespace(prompt=None, prompts_file="-")
+    stdin = io.TextIOWrapper(io.BytesIO("\ufeffhello\r\n\n  \nwörld\n".encode("utf-8")))
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert _read_prompts(args) == ["hello", "wörld"]
+    assert not stdin.closed
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe bad\n")))
+    with pytest.raises(UsageError, match="--prompts-file -: 'utf-8"):
+        _read_prompts(args)
+
+
 def test_generate_refuses_bytes_and_non_str_prompts():
     """Engine.generate(b"abc") reported "prompt 0 must be a str, got int 97" (the bytes split
     into ints); both checks come before anything reaches the ranks."""
