@@ -7,13 +7,14 @@
 Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops generation, kills the rank actors and stops
 an embedded Ray: no Ray processes are left behind. SIGTERM to the whole process group (`timeout`,
 systemd, Slurm) stops an embedded Ray's GCS too: the command then kills what is left of that Ray
-and exits within about 10 s (driver._CONTROL_PLANE_S) without waiting for Ray. Exit codes: 0 ok, 1 error (a missing
-dependency included: one line with the install command; a damaged checkpoint), 2 usage (a bad
-argument value, checked before anything starts; for make-checkpoint also an OUT_DIR that is a
-file, not empty or not writable; for generate/demo also a --model that is not a directory, a
-prompt that is empty or too long for the model, a world size that does not divide the experts,
-or a topology that does not fit it: all checked before Ray starts), 130 interrupted (Ctrl-C),
-143 terminated (SIGTERM). `moe-runtime --version` prints the version.
+and exits within about 10 s (driver._CONTROL_PLANE_S) without waiting for Ray.
+
+Exit codes: 0 ok, 1 error (a missing dependency included: one line with the install command; a
+damaged checkpoint), 2 usage (a bad argument value, checked before anything starts; for
+make-checkpoint also an OUT_DIR that is a file, not empty or not writable; for generate/demo
+also a --model that is not a directory, a prompt that is empty or too long for the model, a
+world size that does not divide the experts, or a topology that does not fit it: all checked
+before Ray starts), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). `moe-runtime --version` prints the version.
 """
 from __future__ import annotations
 

@@ -790,8 +790,9 @@ class Engine:
     # -- shutdown -------------------------------------------------------------------------------
     def _kill_workers(self) -> None:
         """Kill the rank actors and remove their placement group, bounded by _CONTROL_PLANE_S:
-        past it, `ray_lost` is set, the actors' processes on this machine are killed, and no
-        further Ray request is made (a driver's actors end with it on a cluster)."""
+        past it, `ray_lost` is set, the actors' processes are killed where this engine
+        started Ray (embedded: they run here), and no further Ray request is made (on a
+        cluster, a driver's actors end with it)."""
         workers, group = self.workers, self.placement_group
         self.workers, self.placement_group = [], None
         if self.ray_lost or (not workers and group is None):
@@ -816,21 +817,23 @@ class Engine:
         if done.is_alive():
             self.ray_lost = True
             log.warning("moe_runtime: Ray's GCS did not answer within %gs while stopping the "
-                        "ranks (it was stopped too, e.g. SIGTERM to the whole process group); "
-                        "killing the rank processes on this machine", _CONTROL_PLANE_S)
-            for pid in self.worker_pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:  # gone, or on another machine
-                    pass
+                        "ranks (it was stopped too, e.g. SIGTERM to the whole process group)%s",
+                        _CONTROL_PLANE_S, "; killing the rank processes" if self._started_ray
+                        else "")
+            if self._started_ray:  # (an embedded Ray's ranks run here; a cluster's need not)
+                for pid in self.worker_pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:  # (gone)
+                        pass
 
     def shutdown(self) -> None:
         """Leave the process group on every rank (best effort, bounded), kill the actors, remove
         the placement group, and stop Ray if this engine started it (also when its ray.init
-        was interrupted halfway). Idempotent. Where Ray's GCS stopped answering (`ray_lost`)
-        it only kills the rank processes on this machine and leaves Ray alone: ray.shutdown
-        would wait for the GCS, and Ray ends a process whose GCS stays unreachable for 60 s
-        (the CLI exits at once instead, see cli.run)."""
+        was interrupted halfway). Idempotent. Where Ray's GCS stopped answering (`ray_lost`,
+        found by `_kill_workers`) it makes no further Ray request: ray.shutdown would wait
+        for the GCS, and Ray ends a process whose GCS stays unreachable for 60 s (the CLI
+        exits at once instead, see cli.exit_with)."""
         ray = _ray_module()
         if ray is None:  # interrupted inside `import ray`: nothing was started
             return
