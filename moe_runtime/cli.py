@@ -22,8 +22,10 @@ import argparse
 import io
 import math
 import os
+import re
 import signal
 import sys
+import threading
 from typing import NoReturn, Optional, Sequence
 
 DEMO_PROMPTS = ("A mixture of experts model", "The quick brown fox",
@@ -264,7 +266,7 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
             check_local_gpus(world_size, torch.cuda.device_count())
     except ValueError as e:
         demo = " (the demo runs --world-size 2 unless told otherwise)" if (
-            args.command == "demo" and "world size" in str(e)) else ""
+            args.command == "demo" and re.search(r"world[ _]size", str(e))) else ""
         raise UsageError(f"{e}{demo}") from None
     tokenizer = load_tokenizer(model_dir)
     try:
@@ -315,12 +317,13 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the clean-up
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if engine is not None:
-            embedded = engine.started_ray
             engine.shutdown()
-            if engine.ray_lost:
-                _abandon_ray(embedded)
-        if not _RAY_LOST:
+        from .engine.driver import lost_ray
+        embedded = lost_ray()  # (also where Engine() itself was interrupted and shut down)
+        if embedded is None:
             _stop_ray()
+        else:
+            _abandon_ray(embedded)
         # (None: a handler installed outside Python, which cannot be put back from here)
         signal.signal(signal.SIGINT, signal.default_int_handler if previous_int is None
                       else previous_int)
@@ -350,16 +353,16 @@ def _interrupted_code(e: BaseException) -> int:
     return 128 + (_SIGNALLED[-1] if _SIGNALLED else signal.SIGINT)
 
 
-# set when Ray's GCS stopped answering during a shutdown (Engine.ray_lost): `run` then ends the
-# process at once, since Ray's exit hook (ray.shutdown) would wait for the GCS
-_RAY_LOST: list[bool] = []
+# set when Ray's GCS stopped answering during a shutdown (driver.lost_ray): `exit_with` then
+# ends the process without the interpreter's teardown
+_HARD_EXIT: list[bool] = []
 
 
 def _abandon_ray(embedded: bool) -> None:
     """Ray's GCS is gone (e.g. SIGTERM to the whole process group reached an embedded Ray
     too): kill what is left of an embedded Ray (this process's descendants) and mark the
     process to end without Ray's exit hook."""
-    _RAY_LOST.append(True)
+    _HARD_EXIT.append(True)
     print("moe-runtime: Ray's control plane (GCS) stopped answering; "
           + ("killing the processes of the Ray this command started" if embedded else
              "leaving the cluster (its driver's actors end with this process)"),
@@ -374,10 +377,12 @@ def _abandon_ray(embedded: bool) -> None:
 
 
 def exit_with(code: int) -> NoReturn:
-    """sys.exit(code), or, after Ray's GCS was lost (`_abandon_ray`), os._exit(code) once the
-    output is flushed: Ray's exit hook (ray.shutdown) would block on the GCS until Ray aborted
-    the process 60 s later with exit code 1."""
-    if _RAY_LOST:
+    """sys.exit(code); os._exit(code) once the output is flushed after Ray's GCS was lost
+    (`_abandon_ray`: Ray's exit hook, ray.shutdown, would block on the GCS until Ray aborted
+    the process 60 s later with exit code 1) or a signal stopped the command (the clean-up has
+    run; a SIGTERM that reached Ray's C++ signal handler inside ray.init made the
+    interpreter's teardown abort, exit code 134)."""
+    if _HARD_EXIT or code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -403,7 +408,20 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
     """Run the command line `argv` (default sys.argv[1:]) parsed by `parser` (default
     build_parser()); returns the exit code (module docstring)."""
     _SIGNALLED.clear()
-    _RAY_LOST.clear()
+    _HARD_EXIT.clear()
+    # SIGTERM stops every command as Ctrl-C does (make-checkpoint removes its partial output)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        return _run_command(argv, parser)
+    except KeyboardInterrupt as e:
+        return _interrupted_code(e)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_term is None else previous_term)
+
+
+def _run_command(argv: Optional[Sequence[str]], parser: Optional[argparse.ArgumentParser]) -> int:
     try:
         args = (parser or build_parser()).parse_args(argv)
         if args.command == "make-checkpoint":
@@ -426,8 +444,6 @@ def main(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.Argumen
         return run_generate(path, list(DEMO_PROMPTS), args, damaged_hint=(  # (changed since made)
             f"the demo's cached checkpoint {path} may be damaged: delete that directory and "
             "the demo makes it again"))
-    except KeyboardInterrupt as e:
-        return _interrupted_code(e)
     except UsageError as e:
         print(f"moe-runtime: error: {e}", file=sys.stderr)
         return 2

@@ -443,6 +443,40 @@ def test_demo_with_a_topology_for_one_rank_names_its_world_size(capsys, no_engin
     assert cli_main(["demo", "--topology", "local"]) == 2
     assert ("topology 'local' needs world size 1, got 2 (the demo runs --world-size 2 unless "
             "told otherwise)") in capsys.readouterr().err
+    assert cli_main(["demo", "--world-size", "3"]) == 2  # (the message says world_size)
+    assert ("must be divisible by world_size (3): experts are split evenly across ranks (the "
+            "demo runs --world-size 2 unless told otherwise)") in capsys.readouterr().err
+
+
+def test_a_lost_gcs_while_the_engine_starts_skips_ray_shutdown(ckpt, capsys, monkeypatch):
+    """SIGTERM to the process group while the ranks load: Engine() finds the GCS lost, shuts
+    itself down and raises; the command must not then call ray.shutdown (it blocked on the
+    dead GCS until Ray aborted the process), but abandon Ray and exit at once."""
+    import moe_runtime.cli as cli
+    import moe_runtime.engine
+    from moe_runtime.engine import driver
+    monkeypatch.setattr(driver, "_LOST_GCS", {})
+
+    def lose_the_gcs(*a, **k):
+        driver._LOST_GCS["127.0.0.1:1"] = False  # (a joined cluster: nothing here to kill)
+        raise KeyboardInterrupt("signal 15")
+    monkeypatch.setattr(moe_runtime.engine, "Engine", lose_the_gcs)
+    monkeypatch.setattr(cli, "_stop_ray", lambda: pytest.fail("ray.shutdown on a lost GCS"))
+    assert cli_main(["generate", "--model", str(ckpt), "--prompt", "hi"]) == 130
+    assert cli._HARD_EXIT  # (exit_with then leaves by os._exit)
+    assert "Ray's control plane (GCS) stopped answering; leaving the cluster" in capsys.readouterr().err
+
+
+def test_sigterm_during_make_checkpoint_removes_its_partial_output(tmp_path, monkeypatch):
+    """SIGTERM (not only Ctrl-C) stops make-checkpoint with 143 and removes its temporary
+    directory (it was left in the parent directory)."""
+    import moe_runtime.models.make_checkpoint as mc
+    monkeypatch.setattr(mc, "_randomize_correction_biases",
+                        lambda model: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli_main(["make-checkpoint", "--preset", "tiny", str(tmp_path / "ck")]) == 143
+    assert os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_generate_without_weights_fails_before_ray_starts(ckpt, tmp_path, capsys, no_engine):

@@ -226,9 +226,15 @@ def test_a_rank_that_raises_fails_the_driver_naming_the_rank(ray_session, ckpt):
                                            r"generate: RuntimeError: injected fault.*\): build a "
                                            r"new Engine"):  # (it said "shut down")
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match=r"the engine's ranks are gone"):  # (an IndexError)
+        eng.load("dp_p2p")
     eng.shutdown()
-    with pytest.raises(RuntimeError, match="the engine is shut down"):
-        eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    for call in (lambda: eng.generate(PROMPTS, SamplingParams(max_new_tokens=2)),
+                 lambda: eng.load("tp")):
+        with pytest.raises(RuntimeError, match="the engine is shut down"):
+            call()
+    with pytest.raises(TypeError, match="prompts must be a str or a list of str, got NoneType"):
+        eng.generate(None)
 
 
 def test_a_stalled_rank_is_named_not_the_peer_that_timed_out(ray_session, ckpt):

@@ -53,6 +53,14 @@ _SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._sil
 # SIGTERM reached the whole process group (`timeout`, systemd, Slurm) and with it the GCS of an
 # embedded Ray, whose requests otherwise block until Ray ends the process after 60 s.
 _CONTROL_PLANE_S = 10.0
+# GCS addresses found lost in this process -> whether an Engine had started that Ray (embedded)
+_LOST_GCS: dict[str, bool] = {}
+
+
+def lost_ray() -> Optional[bool]:
+    """None while no Engine of this process found its Ray's GCS lost (_CONTROL_PLANE_S); else
+    whether that Ray was started by the Engine (embedded: its processes run here)."""
+    return next(iter(_LOST_GCS.values()), None)
 
 
 class RankError(RuntimeError):
@@ -340,7 +348,6 @@ class Engine:
     """
 
     _ray_gcs: Optional[str] = None  # the GCS address of the Ray this engine runs on
-    ray_lost: bool = False  # Ray's GCS stopped answering a shutdown (see _CONTROL_PLANE_S)
 
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
                  attention: str = "dp", ray_address: Optional[str] = None, device: str = "auto",
@@ -382,7 +389,7 @@ class Engine:
         self.topology_reason = ""
         self.rank_info: list[dict] = []
         self.device: Optional[str] = None  # "cuda" or "cpu" once Ray is up
-        self._started_ray = False  # (shutdown stops it; `started_ray`)
+        self._started_ray = False  # (shutdown stops it)
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
         check_weights(model_dir)  # so do missing weights
@@ -424,22 +431,25 @@ class Engine:
         if hold_int:
             signal.signal(signal.SIGINT, hold)
         try:
-            self._init_ray(ray, address, device, extra)
+            try:
+                self._init_ray(ray, address, device, extra)
+            finally:
+                if saved_term is not None:
+                    signal.signal(signal.SIGTERM, saved_term)
+                if hold_int:  # (None: a handler not set from Python; Python's own then)
+                    signal.signal(signal.SIGINT, saved_int if saved_int is not None
+                                  else signal.default_int_handler)
         except SystemExit as e:
             if e.code != signal.SIGTERM:
                 raise
             # ray.init's own SIGTERM handler exits (sys.exit(signum)) when the signal lands
-            # inside it: an interruption like any other (the caller shuts down what was
-            # started), carrying the signal's number (the CLI exits 128 + it)
+            # inside it, or, still pending, while the handlers above are put back (e.g. after
+            # ray.init gave up on a GCS the signal stopped too): an interruption like any other
+            # (the caller shuts down what was started), carrying the signal's number (the CLI
+            # exits 128 + it)
             interrupt = KeyboardInterrupt(f"signal during ray.init ({e})")
             interrupt.signum = e.code
             raise interrupt from None
-        finally:
-            if saved_term is not None:
-                signal.signal(signal.SIGTERM, saved_term)
-            if hold_int:  # (None: a handler not set from Python; Python's own then)
-                signal.signal(signal.SIGINT, saved_int if saved_int is not None
-                              else signal.default_int_handler)
         if held:
             raise KeyboardInterrupt("Ctrl-C during ray.init")
 
@@ -552,13 +562,23 @@ class Engine:
             ValueError: "auto", "local" with world size > 1, an unknown name, or "tp" for a
                 model whose heads do not split over the ranks (`check_world_size`); the loaded
                 model stays.
+            RuntimeError: the engine is shut down, or its ranks are gone (an earlier failure).
             RankError: a rank failed (all actors are gone afterwards).
         """
         if topology == "auto":
             raise ValueError("load() needs an explicit topology name")
         chosen = choose_topology(topology, self.world_size)
         check_world_size(self.spec, self.world_size, topology == "tp")
+        self._check_ranks()
         self._load(*chosen)
+
+    def _check_ranks(self) -> None:
+        """RuntimeError unless the ranks are up (not shut down, not killed by a failure)."""
+        if not self.workers:
+            why = getattr(self, "_stopped_by", None)
+            raise RuntimeError("the engine is shut down" if why is None else
+                               f"the engine's ranks are gone ({why}): build a new Engine (call "
+                               "this one's shutdown() first)")
 
     def _load(self, name: str, reason: str) -> None:
         self.topology = None
@@ -721,7 +741,8 @@ class Engine:
                 int token ids (`token_id_lists`); ValueError: `prompts` labels of another
                 length than prompt_ids. All before anything reaches the ranks.
         """
-        if isinstance(prompts, (bytes, bytearray, dict)):
+        if isinstance(prompts, (bytes, bytearray, dict)) or not isinstance(
+                prompts, (str, collections.abc.Iterable)):
             raise TypeError(f"prompts must be a str or a list of str, got "
                             f"{type(prompts).__name__}" + (" (decode it first)" if isinstance(
                                 prompts, (bytes, bytearray)) else ""))
@@ -737,11 +758,7 @@ class Engine:
                      max_batch_size: Optional[int] = None,
                      fail_at_step: Optional[dict[int, int]] = None) -> GenerationResult:
         """Like generate() with token ids; `prompts` only labels the completions."""
-        if not self.workers:
-            why = getattr(self, "_stopped_by", None)
-            raise RuntimeError("the engine is shut down" if why is None else
-                               f"the engine's ranks are gone ({why}): build a new Engine (call "
-                               "this one's shutdown() first)")
+        self._check_ranks()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if max_batch_size is not None:
@@ -790,9 +807,9 @@ class Engine:
     # -- shutdown -------------------------------------------------------------------------------
     def _kill_workers(self) -> None:
         """Kill the rank actors and remove their placement group, bounded by _CONTROL_PLANE_S:
-        past it, `ray_lost` is set, the actors' processes are killed where this engine
-        started Ray (embedded: they run here), and no further Ray request is made (on a
-        cluster, a driver's actors end with it)."""
+        past it the GCS counts as lost (`ray_lost`, `lost_ray`), the actors' processes are
+        killed where this engine started Ray (embedded: they run here), and no further Ray
+        request is made (on a cluster, a driver's actors end with it)."""
         workers, group = self.workers, self.placement_group
         self.workers, self.placement_group = [], None
         if self.ray_lost or (not workers and group is None):
@@ -815,7 +832,7 @@ class Engine:
         done.start()
         done.join(_CONTROL_PLANE_S)
         if done.is_alive():
-            self.ray_lost = True
+            _LOST_GCS[self._ray_gcs or ""] = self._started_ray
             log.warning("moe_runtime: Ray's GCS did not answer within %gs while stopping the "
                         "ranks (it was stopped too, e.g. SIGTERM to the whole process group)%s",
                         _CONTROL_PLANE_S, "; killing the rank processes" if self._started_ray
@@ -861,9 +878,9 @@ class Engine:
         self._started_ray = False
 
     @property
-    def started_ray(self) -> bool:
-        """Whether this engine started the Ray it runs on (embedded; until shutdown)."""
-        return self._started_ray
+    def ray_lost(self) -> bool:
+        """Whether the GCS of the Ray this engine runs on stopped answering (_CONTROL_PLANE_S)."""
+        return (self._ray_gcs or "") in _LOST_GCS
 
     def __enter__(self):
         return self
