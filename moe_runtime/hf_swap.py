@@ -305,6 +305,16 @@ def _check_plain(fam: _Family, block: nn.Module) -> None:
             "swap_moe_layers (outside the routed experts) or merge it first (merge_and_unload)")
 
 
+def _check_unclipped(where: str, what: str, module: nn.Module) -> None:
+    """ValueError where HF clips the SwiGLU (a `limit` set from the config's per-layer
+    swiglu_limits, Bailing-Hybrid since transformers 5.25): MoELayer computes it unclipped."""
+    limit = getattr(module, "limit", None)
+    if limit is not None:
+        raise ValueError(f"{where}: its {what} clip the SwiGLU at {limit} (the config's "
+                         "swiglu_limits); MoELayer does not clip, so the swap would change the "
+                         "output")
+
+
 def _config(fam: _Family, block: nn.Module) -> MoEConfig:
     """MoEConfig of one HF block, read from its modules (not from the model config)."""
     _check_plain(fam, block)
@@ -318,6 +328,7 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         raise ValueError(f"{where}: experts must be SiLU-gated, fused [gate; up], untransposed and "
                          f"bias-free; got act_fn {type(experts.act_fn).__name__}"
                          + (f", {odd}" if odd else ""))
+    _check_unclipped(where, "experts", experts)
     dtype = experts.gate_up_proj.dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{where}: its experts are {dtype}; MoELayer computes in float32, "
@@ -330,6 +341,7 @@ def _config(fam: _Family, block: nn.Module) -> MoEConfig:
         mlp = getattr(block, fam.shared)
         if not _is_silu(mlp.act_fn) or any(getattr(mlp, n).bias is not None for n in _MLP_NAMES):
             raise ValueError(f"{where}: the shared expert must be a bias-free SiLU MLP")
+        _check_unclipped(where, "shared expert", mlp)
         shared_size = mlp.gate_proj.out_features
     sigmoid = fam.scoring == "sigmoid"
     return MoEConfig(

@@ -173,7 +173,7 @@ def test_every_family_block_matches_hf(block_name, norm):
     for name, value in {**BLOCK_SIZES, **({} if norm is None else {"norm_topk_prob": norm})}.items():
         if hasattr(cfg, name):
             setattr(cfg, name, value)
-    block = getattr(modeling, block_name)(cfg).eval()
+    block = _build_block(getattr(modeling, block_name), cfg)
     g = torch.Generator().manual_seed(len(block_name))
     with torch.no_grad():
         for t in (*block.parameters(), *block.buffers()):
@@ -187,6 +187,36 @@ def test_every_family_block_matches_hf(block_name, norm):
     assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5, rel_err(out, ref)
     if norm is not None:
         assert layer.config.norm_topk_prob is norm
+
+
+def _build_block(cls, cfg) -> torch.nn.Module:
+    """An HF block from its config (Bailing-Hybrid's takes a layer_idx since transformers 5.25)."""
+    import inspect
+    takes_layer = "layer_idx" in inspect.signature(cls.__init__).parameters
+    return (cls(cfg, 0) if takes_layer else cls(cfg)).eval()
+
+
+def test_a_clipped_swiglu_is_refused():
+    """transformers 5.25's Bailing-Hybrid clips the experts' and the shared expert's SwiGLU
+    where the config sets per-layer swiglu_limits; the swap must refuse, not drop the clip."""
+    modeling = pytest.importorskip("transformers.models.bailing_hybrid.modeling_bailing_hybrid")
+    from transformers.models.bailing_hybrid.configuration_bailing_hybrid import BailingHybridConfig
+    cfg = BailingHybridConfig()
+    for name, value in BLOCK_SIZES.items():
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    if not hasattr(cfg, "swiglu_limits"):
+        pytest.skip("this transformers' Bailing-Hybrid does not clip")
+    for limits in ("swiglu_limits", "swiglu_limits_shared"):
+        setattr(cfg, "swiglu_limits", [0.0] * cfg.num_hidden_layers)
+        setattr(cfg, "swiglu_limits_shared", [0.0] * cfg.num_hidden_layers)
+        setattr(cfg, limits, [7.0] * cfg.num_hidden_layers)
+        block = _build_block(modeling.BailingHybridMoE, cfg)
+        with pytest.raises(ValueError, match=r"clip the SwiGLU at 7\.0"):
+            swap_moe_layers(block)
+    setattr(cfg, "swiglu_limits", [0.0] * cfg.num_hidden_layers)
+    setattr(cfg, "swiglu_limits_shared", [0.0] * cfg.num_hidden_layers)
+    assert isinstance(swap_moe_layers(_build_block(modeling.BailingHybridMoE, cfg)), MoELayer)
 
 
 def test_every_supported_block_has_a_test_config():
