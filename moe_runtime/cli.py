@@ -194,11 +194,12 @@ def _read_prompts(args) -> list[str]:
     else:
         try:
             if args.prompts_file == "-":  # standard input (a pipe; a terminal until Ctrl-D)
-                f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig")
+                f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", newline="\n")
                 prompts = [line.rstrip("\r\n") for line in f if line.strip()]
                 f.detach()  # (sys.stdin stays open)
             else:
-                with open(args.prompts_file, encoding="utf-8-sig") as f:  # (a BOM is not text)
+                with open(args.prompts_file, encoding="utf-8-sig",  # (a BOM is not text)
+                          newline="\n") as f:  # (a lone "\r" is text; "\r\n" ends a line)
                     prompts = [line.rstrip("\r\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompts-file {args.prompts_file}: "

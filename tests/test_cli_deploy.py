@@ -540,6 +540,8 @@ def test_prompts_file_bom_is_not_prompt_text(tmp_path):
     f = tmp_path / "p.txt"
     f.write_bytes("\ufeffhello\r\n\r\nworld\n".encode("utf-8"))
     assert _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(f))) == ["hello", "world"]
+    f.write_bytes(b"a\rb\r\nc\n")  # (a lone carriage return split the line in two)
+    assert _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(f))) == ["a\rb", "c"]
 
 
 def test_prompts_file_dash_reads_standard_input(monkeypatch):
@@ -548,9 +550,9 @@ def test_prompts_file_dash_reads_standard_input(monkeypatch):
 
     from moe_runtime.cli import UsageError, _read_prompts
     args = SimpleNamespace(prompt=None, prompts_file="-")
-    stdin = io.TextIOWrapper(io.BytesIO("\ufeffhello\r\n\n  \nwörld\n".encode("utf-8")))
+    stdin = io.TextIOWrapper(io.BytesIO("\ufeffhello\r\n\n  \nwö\rrld\n".encode("utf-8")))
     monkeypatch.setattr("sys.stdin", stdin)
-    assert _read_prompts(args) == ["hello", "wörld"]
+    assert _read_prompts(args) == ["hello", "wö\rrld"]
     assert not stdin.closed
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe bad\n")))
     with pytest.raises(UsageError, match="--prompts-file -: 'utf-8"):
