@@ -14,7 +14,8 @@ damaged checkpoint), 2 usage (a bad argument value, checked before anything star
 make-checkpoint also an OUT_DIR that is a file, not empty or not writable; for generate/demo
 also a --model that is not a directory, a prompt that is empty or too long for the model, a
 world size that does not divide the experts, or a topology that does not fit it: all checked
-before Ray starts), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). `moe-runtime --version` prints the version.
+before Ray starts), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). `moe-runtime --version`
+prints the version.
 """
 from __future__ import annotations
 
@@ -299,7 +300,7 @@ def run_generate(model_dir: str, prompts: Sequence[str], args,
               "greedily", file=sys.stderr, flush=True)
     engine = None
     previous_int = signal.getsignal(signal.SIGINT)  # (restored as found: SIG_IGN under nohup)
-    previous_term = signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, kill: like Ctrl-C
+    previous_term = signal.getsignal(signal.SIGTERM)  # (main's `_terminate`: like Ctrl-C)
     try:
         engine = Engine(model_dir, world_size=args.world_size, topology=args.topology,
                         attention=args.attention or "dp",

@@ -856,6 +856,7 @@ class Engine:
             return
         if self.ray_lost:  # (the rank processes here were killed when it was found)
             self.workers, self.placement_group = [], None
+            self._stopped_by = None
             self._started_ray = False
             return
         # the Ray up now is this engine's unless it has another GCS (the user's own, or another
