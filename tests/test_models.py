@@ -120,6 +120,29 @@ def test_continuous_batching_refills_slots_and_equals_hf(ckpts, arch):
                      max_batch_size=0)
 
 
+def test_a_prefill_does_not_pad_short_prompts_to_a_long_one(ckpts):
+    """Prompts are placed in order while the padded prefill stays within pads_too_much: 300
+    one-token prompts then one of 40 tokens take two prefills (one would pad 341 x 40 = 13640
+    positions for 340 tokens), 3 equal prompts one; the ids are those of the groups run alone."""
+    from moe_runtime.engine.scheduler import PREFILL_PAD_FREE, pads_too_much
+    assert pads_too_much(301, 40, 340) and not pads_too_much(300, 1, 300)
+    assert not pads_too_much(PREFILL_PAD_FREE // 40, 40, 40)  # small prefills: any lengths
+    model = load_model(ckpts["qwen3-moe"], Parallel(), progress=False)
+    short, long_ = [[5 + i % 50] for i in range(300)], [list(range(3, 43))]
+    params = SamplingParams(max_new_tokens=3)
+
+    def run(prompts):
+        passes = []
+        out = run_requests(model, prompts, range(len(prompts)), params, stop_ids=[],
+                           on_step=passes.append)
+        return out.token_ids, len(passes) - out.steps  # (ids, prefills)
+
+    ids, prefills = run(short + long_)
+    assert prefills == 2
+    assert ids == run(short)[0] + run(long_)[0]
+    assert run(long_ * 3)[1] == 1
+
+
 @pytest.mark.parametrize("values_in_keys", [None, 3])
 def test_kv_cache_rows_write_and_read_their_own_sequences(values_in_keys):
     """KVCache.at(rows): consecutive rows as views, others gathered; each writes only its rows
