@@ -479,6 +479,29 @@ def test_sigterm_during_make_checkpoint_removes_its_partial_output(tmp_path, mon
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_make_checkpoint_fills_an_empty_directory_given_as_dot_or_a_link(tmp_path, monkeypatch):
+    """An existing empty OUT_DIR is filled in place: `.` (rename of '.': EINVAL) and a symlink
+    to an empty directory (ENOTDIR) failed with errno text and exit 1; a SIGTERM while filling
+    one leaves it empty."""
+    import moe_runtime.models.make_checkpoint as mc
+    (tmp_path / "here").mkdir()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    monkeypatch.chdir(tmp_path / "here")
+    assert cli_main(["make-checkpoint", "--preset", "tiny", "."]) == 0
+    assert cli_main(["make-checkpoint", "--preset", "tiny", str(tmp_path / "link")]) == 0
+    for d in ("here", "target"):
+        files = sorted(os.listdir(tmp_path / d))
+        assert "config.json" in files and "model.safetensors" in files, (d, files)
+        assert not any(f.startswith(".make_checkpoint") for f in files)
+    assert (tmp_path / "link").is_symlink()
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(mc, "_apply_umask_modes",
+                        lambda tmp: os.kill(os.getpid(), signal.SIGTERM))
+    assert cli_main(["make-checkpoint", "--preset", "tiny", str(tmp_path / "empty")]) == 143
+    assert os.listdir(tmp_path / "empty") == []
+
+
 def test_generate_without_weights_fails_before_ray_starts(ckpt, tmp_path, capsys, no_engine):
     import shutil
     cfg_only = str(tmp_path / "cfg_only")

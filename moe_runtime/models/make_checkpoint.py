@@ -263,7 +263,9 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
                     seed: int = 0, dtype: Optional[str] = None,
                     max_shard_size: Optional[Union[str, int]] = None,
                     force: bool = False, progress: bool = True) -> str:
-    """Write a random-weight checkpoint to out_dir (created; must be empty or absent).
+    """Write a random-weight checkpoint to out_dir: created when absent; an existing empty
+    directory (also `.` or a symlink to one) is filled in place. Written to a temporary directory
+    first, so an interrupted run leaves nothing behind.
 
     Args:
         arch: "qwen3-moe", "qwen2-moe", "olmoe", "mixtral", "glm4-moe", "dots1" or
@@ -315,11 +317,13 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):  # (makedirs would say "File exists")
         raise ValueError(f"cannot write a checkpoint at {out_dir}: {existing} is not a directory")
+    into = os.path.isdir(out_dir)  # (an empty directory, "." or a link to one: filled in place)
     try:  # (before the weights are made: a path that cannot be written fails at once)
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".make_checkpoint-", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=".make_checkpoint-", dir=out_dir if into else parent)
     except OSError as e:
         raise ValueError(f"cannot write a checkpoint at {out_dir}: {e.strerror or e}") from None
+    moved: list[str] = []  # (files already in an existing out_dir: removed on failure)
     try:
         from . import get_architecture
         a = get_architecture(ARCH_NAMES[arch])
@@ -345,11 +349,17 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
                 model.save_pretrained(tmp, **save_kw)
         tokenizer.save_pretrained(tmp)
         _apply_umask_modes(tmp)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
+        if into:
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+                moved.append(name)
+            os.rmdir(tmp)
+        else:
+            os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for name in moved:
+            os.remove(os.path.join(out_dir, name))
         raise
     return out_dir
 
