@@ -143,6 +143,26 @@ def test_a_prefill_does_not_pad_short_prompts_to_a_long_one(ckpts):
     assert run(long_ * 3)[1] == 1
 
 
+@pytest.mark.parametrize("arch,key,value,message", [
+    (arch, key, 0, f"{name} must be a positive int, got 0")
+    for arch in ("qwen3-moe", "deepseek-v3")
+    for key, name in (("max_position_embeddings", "max_position_embeddings"),
+                      ("vocab_size", "vocab_size"), ("num_hidden_layers", "num_layers"),
+                      ("num_attention_heads", "num_heads"))] + [
+    ("qwen3-moe", "sliding_window", -1, "sliding_window must be None or a positive int, got -1")])
+def test_a_config_with_sizes_no_model_has_is_named(ckpts, tmp_path, arch, key, value, message):
+    """A damaged config.json (e.g. max_position_embeddings 0) fails in read_spec naming the
+    file and the field; max_position_embeddings 0 was reported as every prompt exceeding it."""
+    d = str(tmp_path / "bad")
+    shutil.copytree(ckpts[arch], d)
+    cfg_path = os.path.join(d, "config.json")
+    json.dump({**json.load(open(cfg_path)), key: value, "use_sliding_window": True},
+              open(cfg_path, "w"))
+    with pytest.raises(ValueError) as e:
+        read_spec(d)
+    assert f"{d}/config.json" in str(e.value) and message in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("values_in_keys", [None, 3])
 def test_kv_cache_rows_write_and_read_their_own_sequences(values_in_keys):
     """KVCache.at(rows): consecutive rows as views, others gathered; each writes only its rows

@@ -97,6 +97,22 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     hf_config: Any = field(default=None, compare=False, repr=False)
 
+    def __post_init__(self):
+        """Raises ValueError for sizes no model has (a damaged config.json: a 0 there failed
+        later, e.g. as a prompt "exceeding" max_position_embeddings 0)."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
+                self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, got "
+                             f"{self.sliding_window!r}")
+
     @property
     def dtype(self) -> torch.dtype:
         return self.moe.dtype
