@@ -109,7 +109,7 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
                     progress: bool = True) -> None:
     """Arguments shared by generate and demo (and the deploy job entry). progress: whether the
     loading progress bars are on by default (--no-progress turns them off; else --progress on)."""
-    from .engine.driver import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TOPOLOGY_CHOICES
+    from .engine.driver import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TOPOLOGY_CHOICES
     p.add_argument("--world-size", type=_int_at_least(1), default=1, help="ranks, one Ray actor each")
     p.add_argument("--topology", choices=TOPOLOGY_CHOICES, default="auto",
                    help="how ranks exchange tokens (auto: picked from the cluster)")
@@ -136,7 +136,7 @@ def add_engine_args(p: argparse.ArgumentParser, ray_address_help: str = RAY_ADDR
     p.add_argument("--timeout", type=_float_in(f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] "
                                                "(seconds)",
                                                lambda t: MIN_TIMEOUT_S <= t <= MAX_TIMEOUT_S),
-                   default=300.0,
+                   default=DEFAULT_TIMEOUT_S,
                    help="bound on each phase (start, load), seconds; generation may run "
                         "longer while it makes progress within every such interval")
     if progress:

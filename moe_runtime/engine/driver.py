@@ -45,6 +45,8 @@ TOPOLOGY_CHOICES = ("auto", "local", "tp", "dp_nvlink", "dp_p2p")
 # the longest bound a phase may have (~11.6 days): Ray's and torch.distributed's waits overflow
 # further up (1e10 s: the rendezvous' socket timeout, inf: ray.wait); the shortest is the ranks'
 MAX_TIMEOUT_S = 1e6
+DEFAULT_TIMEOUT_S = 300.0  # Engine's and the CLI's bound on each phase (a large checkpoint's
+# load takes minutes)
 
 
 _SILENT_S = 3.0  # a live rank answers a progress query within this (Engine._silent, _advanced)
@@ -351,7 +353,7 @@ class Engine:
 
     def __init__(self, model_dir: str, *, world_size: int = 1, topology: str = "auto",
                  attention: str = "dp", ray_address: Optional[str] = None, device: str = "auto",
-                 dtype: str = "auto", backend: str = "auto", timeout_s: float = 120.0,
+                 dtype: str = "auto", backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: bool = True, ray_init_kwargs: Optional[dict] = None,
                  cuda_graphs: bool = True):
         world_size = as_int("world_size", world_size)
