@@ -208,7 +208,7 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
 
     Raises:
         TypeError: a keyword other than backend/group/align.
-        ValueError: the model holds an MoE block (a module with an `experts` child) of a class
+        ValueError: the model holds an MoE block (a module with an `experts` or `router` child) of a class
             not in the module docstring's table (the message names it and lists the supported
             ones), a supported block that deviates from the supported form (activation other than
             SiLU, unfused or biased experts, pre-5.0 transformers layout, a submodule of another
@@ -263,7 +263,9 @@ def _walk(module: nn.Module, path: str, found: list, unsupported: list) -> None:
     if fam is not None:
         found.append((path, fam, module))
         return
-    if "experts" in module._modules:
+    # an MoE block has an `experts` child, or a `router` one (JetMoE's MLP: router, input_linear,
+    # output_linear)
+    if "experts" in module._modules or "router" in module._modules:
         unsupported.append(f"{path or '<root>'} ({cls.__module__}.{cls.__name__})")
         return
     for name, child in module.named_children():

@@ -270,6 +270,12 @@ def test_unsupported_block_raises_naming_supported():
         swap_moe_layers(model)
     for fam in FAMILIES:
         assert fam.block in str(e.value)
+    jetmoe = tf.JetMoeForCausalLM(tf.JetMoeConfig(  # (its MLP has a router and no experts)
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_local_experts=4,
+        num_experts_per_tok=2, kv_channels=8, intermediate_size=16, num_key_value_heads=2))
+    with pytest.raises(ValueError, match=r"unsupported MoE block\(s\): model.layers.0.mlp "
+                                         r"\(\S+JetMoeMoE\), model.layers.0.self_attention "):
+        swap_moe_layers(jetmoe)
     with pytest.raises(ValueError, match="no MoE block found.*Qwen3MoeSparseMoeBlock"):
         swap_moe_layers(nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(TypeError, match="takes a loaded torch.nn.Module .* got str"):
