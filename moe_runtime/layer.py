@@ -417,6 +417,26 @@ class MoELayer(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """y = the MoE layer (+ shared expert) applied to every token (`_forward`, where the
+        arguments, the result and the errors are described).
+
+        Under a multi-rank topology a forward that raises before its dispatch (a refused
+        input, a router error) still counts as this rank's call (`GroupTopology.calls`): its
+        peers wait in that call's exchange, and this rank's next call, numbered as the one
+        after, is refused there as out of step on every rank. Uncounted, it paired with the
+        peers' pending call: wrong `tp` outputs without an error.
+        """
+        calls = getattr(self.topology, "calls", None)  # (None: the local topology)
+        if calls is None:
+            return self._forward(hidden_states)
+        try:
+            return self._forward(hidden_states)
+        except BaseException:
+            if self.topology.calls == calls:  # (raised before its dispatch)
+                self.topology._count_call(self.__dict__.get("_topology_layer", 0))
+            raise
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """y = the MoE layer (+ shared expert) applied to every token.
 
         Args:
@@ -599,3 +619,8 @@ class _NoBackward(torch.autograd.Function):
             f"between ranks are not differentiable, so the gradients would be wrong. Train with "
             f"topology='local' (one process), or run forward under torch.inference_mode() / "
             f"torch.no_grad()")
+
+    @staticmethod
+    def jvp(ctx, *tangents: torch.Tensor):
+        """Forward-mode AD raises as backward does (torch's own error named no layer)."""
+        _NoBackward.backward(ctx, None)

@@ -35,7 +35,8 @@ def tiny_cfg():
 
 
 def planted_failure(module, args):
-    """Forward pre-hook of the experts: an error between a dispatch and its combine."""
+    """Forward pre-hook of the experts (an error between a dispatch and its combine) or of the
+    router (an error before the dispatch)."""
     raise RuntimeError("planted expert failure")
 
 
@@ -216,9 +217,11 @@ def test_ranks_with_another_topology_raise_on_every_rank(pools, topo_name):
 
 
 def w_out_of_step(rank, world, topo_name, failure):
-    """Call 1 on both ranks; on call 2 rank 1 fails (`failure`: "validation", x in float64, or
-    "experts", an error between dispatch and combine in a MoELayer) and goes on; each rank then
-    makes calls 2 and 3. Returns each call's (exception type, message) or "ok"."""
+    """Call 1 on both ranks; on call 2 rank 1 fails (`failure`: "validation", x in float64 to
+    the topology's dispatch; "layer_input", the same x refused by the MoELayer before its
+    dispatch; "router", an error in the MoELayer's router; or "experts", an error between
+    dispatch and combine in a MoELayer) and goes on; each rank then makes calls 2 and 3.
+    Returns each call's (exception type, message) or "ok"."""
     from moe_runtime import MoELayer
     from moe_runtime.comm import new_group
     cfg = tiny_cfg()
@@ -233,8 +236,10 @@ def w_out_of_step(rank, world, topo_name, failure):
     for call in (1, 2, 3):
         handle = None
         xx, fails = x, call == 2 and (rank == 1 or failure == "experts_everywhere")
-        if fails and failure == "validation":
+        if fails and failure in ("validation", "layer_input"):
             xx = x.double()
+        elif fails and failure == "router":
+            handle = layer.router.register_forward_pre_hook(planted_failure)
         elif fails and failure.startswith("experts"):
             handle = layer.experts.register_forward_pre_hook(planted_failure)
         try:
@@ -255,22 +260,24 @@ def w_out_of_step(rank, world, topo_name, failure):
     return out
 
 
-@pytest.mark.parametrize("failure", ["validation", "experts", "experts_everywhere",
-                                     "combine_check"])
+@pytest.mark.parametrize("failure", ["validation", "layer_input", "router", "experts",
+                                     "experts_everywhere", "combine_check"])
 @pytest.mark.parametrize("topo_name", ["tp", "dp_p2p"])
 def test_a_rank_that_goes_on_after_an_error_is_caught(pools, topo_name, failure):
     """No silent pairing of different calls, no process aborted by gloo:
-    * validation: a rank that failed dispatch's checks and went on meets its peers at another
-      dispatch number (ValueError on both; the ranks stay apart, so the topology then refuses
-      calls: RuntimeError without a collective);
+    * validation / layer_input / router: a rank that failed before its dispatch's exchange
+      (the topology's checks, the layer's own, its router) and went on meets its peers at
+      another dispatch number (ValueError on both; the ranks stay apart, so the topology then
+      refuses calls: RuntimeError without a collective); the layer's failures were not counted
+      as calls, and under tp the next call paired with the peers' pending one silently;
     * experts / combine_check: a rank that raised between dispatch and combine takes its part
       in the combine without a result: its peer raises RuntimeError naming it, the next call
       works on both;
     * experts_everywhere: every rank raised there (e.g. OOM): a retry works."""
     r0, r1 = pools(2).run(w_out_of_step, topo_name, failure, timeout_s=60)
     assert r0[0] == r1[0] == "ok"
-    if failure == "validation":
-        assert r1[1][0] == "TypeError"
+    if failure in ("validation", "layer_input", "router"):
+        assert r1[1][0] == ("RuntimeError" if failure == "router" else "TypeError"), r1[1]
         for typ, msg in (r0[1], r1[2]):
             assert typ == "ValueError" and "the ranks are out of step" in msg, msg
         # the ranks cannot get back in step: rank 0's third call raises without a collective
@@ -696,8 +703,8 @@ def test_single_process_without_torch_distributed(topo_name, caplog):
 
 def w_layer_backward(rank, world, topo_name):
     """A MoELayer on `topo_name` with gradients on: (max |y - local layer's y|, the backward's
-    error or None, whether the output under no_grad carries a graph, x without grad); an
-    in-place add into a recorded output must work."""
+    error or None, whether the output under no_grad carries a graph, x without grad, the error
+    of a forward-mode AD call or None); an in-place add into a recorded output must work."""
     from moe_runtime import MoEConfig, MoELayer
     cfg = MoEConfig(hidden_size=16, num_experts=E, top_k=2, moe_intermediate_size=8,
                     dtype=torch.float32)
@@ -720,7 +727,14 @@ def w_layer_backward(rank, world, topo_name):
         graph = layer(x).grad_fn is not None
     h = layer(x)
     h += 1  # in place into the output of a recorded forward (a residual add)
-    return diff, err, graph, x.grad is None
+    import torch.autograd.forward_ad as fwAD
+    with torch.no_grad(), fwAD.dual_level():  # forward-mode AD: torch's bare "implement jvp"
+        try:
+            layer(fwAD.make_dual(x.detach(), torch.ones_like(x)))
+            fw_err = None
+        except RuntimeError as e:
+            fw_err = str(e)
+    return diff, err, graph, x.grad is None, fw_err
 
 
 @pytest.mark.parametrize("topo_name", TOPOS)
@@ -729,9 +743,10 @@ def test_layer_backward_on_multirank_topologies_raises(pools, topo_name):
     (tp: x.grad off by about its own size; dp_p2p: expert weights without grad). The output of
     a multi-rank forward is right (and writable in place) and its backward now raises, naming the
     topology."""
-    for diff, err, graph, no_x_grad in pools(2).run(w_layer_backward, topo_name):
+    for diff, err, graph, no_x_grad, fw_err in pools(2).run(w_layer_backward, topo_name):
         assert diff <= 1e-5, diff
-        assert err is not None and f"'{topo_name}' topology has no backward" in err, err
+        for e in (err, fw_err):
+            assert e is not None and f"'{topo_name}' topology has no backward" in e, e
         assert not graph and no_x_grad
 
 def test_make_topology_names():
