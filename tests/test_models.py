@@ -991,6 +991,37 @@ def test_longrope_is_refused_not_computed_once():
         rope_parameters(cfg, 16)
 
 
+def test_read_spec_refuses_an_unsupported_rope(ckpts, tmp_path):
+    """read_spec (which the Engine calls before Ray starts) computes the RoPE parameters once:
+    longrope failed only on the ranks, about 14 s into a CLI run."""
+    d = str(tmp_path / "rope")
+    shutil.copytree(ckpts["qwen3-moe"], d)
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    half = cfg["head_dim"] // 2
+    cfg["rope_parameters"] = dict(rope_type="longrope", rope_theta=10000.0,
+                                  short_factor=[1.0] * half, long_factor=[2.0] * half,
+                                  original_max_position_embeddings=64)
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match=f"{d}/config.json: rope_type 'longrope' is not supported"):
+        read_spec(d)
+
+
+def test_a_model_without_moe_layers_splits_no_experts(ckpts):
+    """Qwen3-MoE's num_experts 0 makes every layer dense: no experts to split over the ranks
+    (the check quoted the placeholder `num_experts (1)`); with MoE layers it still applies."""
+    from dataclasses import replace
+
+    from moe_runtime.engine.driver import check_world_size
+    s = read_spec(ckpts["qwen3-moe"])[0]
+    dense = replace(s, dense_layers=tuple(range(s.num_layers)),
+                    moe=replace(s.moe, num_experts=1, top_k=1))
+    check_world_size(dense, 2)
+    check_world_size(dense, 3)
+    with pytest.raises(ValueError, match=r"num_experts \(1\) must be divisible by world_size"):
+        check_world_size(replace(dense, dense_layers=dense.dense_layers[1:]), 2)
+
+
 def test_read_spec_of_both_families(ckpts):
     q, qa = read_spec(ckpts["qwen3-moe"])
     m, ma = read_spec(ckpts["mixtral"])

@@ -236,9 +236,10 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], spec, max_new_tokens: int
 
 def check_world_size(spec, world_size: int, tensor_parallel: bool = False) -> None:
     """ValueError unless world_size divides the checkpoint's experts (spec: its ModelSpec):
-    experts are split evenly across the ranks; with tensor_parallel (attention split by heads:
+    experts are split evenly across the ranks (a model whose every layer is dense has none to
+    split, e.g. Qwen3-MoE's num_experts 0); with tensor_parallel (attention split by heads:
     topology tp) also unless the heads split (models.head_shard's rule)."""
-    if spec.moe.num_experts % world_size:
+    if len(spec.dense_layers) < spec.num_layers and spec.moe.num_experts % world_size:
         raise ValueError(f"num_experts ({spec.moe.num_experts}) must be divisible by world_size "
                          f"({world_size}): experts are split evenly across ranks")
     if tensor_parallel and world_size > 1:

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .spec import Architecture, ModelSpec, eos_ids
+from .spec import Architecture, ModelSpec, eos_ids, rope_parameters
 from .transformer import MoECausalLM, Parallel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,7 +88,8 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
     Raises:
         FileNotFoundError: no config.json in model_dir.
         ValueError: a config.json transformers cannot read (e.g. a field of the wrong type) or
-            whose values the architecture refuses (named with the file), unsupported model_type
+            whose values the architecture (or its RoPE: `spec.rope_parameters`) refuses (named
+            with the file), unsupported model_type
             or dtype, an unreadable generation_config.json, or a quantized checkpoint (config.json
             has a `quantization_config`: FP8, GPTQ, AWQ, ...; only float32 / bfloat16 / float16
             / float64 weights are read).
@@ -122,7 +123,8 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
     compute = resolve_dtype(dtype, cfg, model_dir)  # (a bad `dtype` argument is the caller's)
     try:
         spec = arch.spec_from_config(cfg, compute)
-    except (TypeError, ValueError) as e:  # e.g. num_experts not divisible by n_group
+        rope_parameters(cfg, spec.rotary_dim or spec.head_dim)  # (the ranks compute it again)
+    except (TypeError, ValueError) as e:  # e.g. num_experts not divisible by n_group, longrope
         raise ValueError(f"{model_dir}/config.json: {e}") from e
     if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         from transformers import GenerationConfig
