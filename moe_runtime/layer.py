@@ -421,20 +421,48 @@ class MoELayer(nn.Module):
         arguments, the result and the errors are described).
 
         Under a multi-rank topology a forward that raises before its dispatch (a refused
-        input, a router error) still counts as this rank's call (`GroupTopology.calls`): its
-        peers wait in that call's exchange, and this rank's next call, numbered as the one
-        after, is refused there as out of step on every rank. Uncounted, it paired with the
-        peers' pending call: wrong `tp` outputs without an error.
+        input, a router error) still takes this rank's part in that call, whose exchange its
+        peers wait in: it dispatches no tokens and abandons the call (`Topology.abandon`), so
+        the peers raise CallAbandoned naming this rank and every rank stays in step (a retry
+        works). Where that cannot run (an interrupt, a CUDA graph capture or replay, or the
+        empty dispatch failing), the call is still counted (`GroupTopology.calls`): the
+        rank's next call is then refused as out of step on every rank. Unaccounted for, it
+        paired with the peers' pending call: wrong `tp` outputs without an error.
         """
         calls = getattr(self.topology, "calls", None)  # (None: the local topology)
         if calls is None:
             return self._forward(hidden_states)
         try:
             return self._forward(hidden_states)
-        except BaseException:
+        except BaseException as e:
             if self.topology.calls == calls:  # (raised before its dispatch)
-                self.topology._count_call(self.__dict__.get("_topology_layer", 0))
+                self._abandon_undispatched(e, calls)
             raise
+
+    def _abandon_undispatched(self, error: BaseException, calls: int) -> None:
+        """This rank's part in a multi-rank call that raised `error` before its dispatch: an
+        empty dispatch, then abandon (see forward); else only the call's number (`calls`: the
+        topology's count before the call)."""
+        topology, layer = self.topology, self.__dict__.get("_topology_layer", 0)
+        w = self._modules["experts"].gate_up_proj
+        replaying = self.__dict__.get("_replaying", False)
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        if isinstance(error, Exception) and not (replaying or capturing):
+            k = self.config.top_k
+            try:
+                x = torch.empty(0, self.config.hidden_size, dtype=self._weights_dtype(),
+                                device=w.device)
+                result = topology.dispatch(
+                    x, torch.empty(0, k, dtype=torch.int32, device=w.device),
+                    torch.empty(0, k, dtype=torch.float32, device=w.device),
+                    check_values=False, layer=layer)
+            except Exception:  # (counted by dispatch unless its own argument checks failed)
+                pass
+            else:
+                topology.abandon(result, error)
+                return
+        if topology.calls == calls:
+            topology._count_call(layer)
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """y = the MoE layer (+ shared expert) applied to every token.
@@ -513,7 +541,11 @@ class MoELayer(nn.Module):
             router = unwrapped(self.router)
             if router.kept_logits is not None:  # (swap_moe_layers' recording: see Router)
                 router.kept_logits = None
-            y = self.cuda_graphs(x)
+            self.__dict__["_replaying"] = True  # (a failure here: see _abandon_undispatched)
+            try:
+                y = self.cuda_graphs(x)
+            finally:
+                self.__dict__["_replaying"] = False
         else:
             y = self._forward_tokens(x)
         if self.topology.name != "local" and self._wants_grad(x):

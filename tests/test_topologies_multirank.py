@@ -221,7 +221,8 @@ def w_out_of_step(rank, world, topo_name, failure):
     the topology's dispatch; "layer_input", the same x refused by the MoELayer before its
     dispatch; "router", an error in the MoELayer's router; or "experts", an error between
     dispatch and combine in a MoELayer) and goes on; each rank then makes calls 2 and 3.
-    Returns each call's (exception type, message) or "ok"."""
+    Calls 1 and 3 take the same tokens, call 2 others. Returns each call's (exception type,
+    message) or "ok", then whether calls 1 and 3 returned the same output."""
     from moe_runtime import MoELayer
     from moe_runtime.comm import new_group
     cfg = tiny_cfg()
@@ -232,11 +233,12 @@ def w_out_of_step(rank, world, topo_name, failure):
     torch.manual_seed(rank if topo_name != "tp" else 0)
     x = torch.randn(3, 8)
 
-    out = []
+    out, ys = [], {}
     for call in (1, 2, 3):
         handle = None
-        xx, fails = x, call == 2 and (rank == 1 or failure == "experts_everywhere")
-        if fails and failure in ("validation", "layer_input"):
+        xx, fails = (2 * x if call == 2 else x), call == 2 and (
+            rank == 1 or failure.endswith("_everywhere"))
+        if fails and failure.startswith(("validation", "layer_input")):
             xx = x.double()
         elif fails and failure == "router":
             handle = layer.router.register_forward_pre_hook(planted_failure)
@@ -245,39 +247,43 @@ def w_out_of_step(rank, world, topo_name, failure):
         try:
             with torch.no_grad():
                 if failure in ("validation", "combine_check"):  # the topology itself
-                    ids, w = layer.router(x)
+                    ids, w = layer.router(xx.float())
                     res = layer.topology.dispatch(xx, ids, w)
                     ey = res.expert_x.double() if fails else res.expert_x
-                    layer.topology.combine(ey, res)
+                    ys[call] = layer.topology.combine(ey, res)
                 else:
-                    layer(xx)
+                    ys[call] = layer(xx)
             out.append("ok")
         except Exception as e:
             out.append((type(e).__name__, str(e)))
         finally:
             if handle is not None:
                 handle.remove()
-    return out
+    return out + [1 in ys and 3 in ys and torch.equal(ys[1], ys[3])]
 
 
-@pytest.mark.parametrize("failure", ["validation", "layer_input", "router", "experts",
-                                     "experts_everywhere", "combine_check"])
+@pytest.mark.parametrize("failure", ["validation", "layer_input", "layer_input_everywhere",
+                                     "router", "experts", "experts_everywhere", "combine_check"])
 @pytest.mark.parametrize("topo_name", ["tp", "dp_p2p"])
 def test_a_rank_that_goes_on_after_an_error_is_caught(pools, topo_name, failure):
     """No silent pairing of different calls, no process aborted by gloo:
-    * validation / layer_input / router: a rank that failed before its dispatch's exchange
-      (the topology's checks, the layer's own, its router) and went on meets its peers at
+    * validation: a rank that failed the topology's own checks and went on meets its peers at
       another dispatch number (ValueError on both; the ranks stay apart, so the topology then
-      refuses calls: RuntimeError without a collective); the layer's failures were not counted
-      as calls, and under tp the next call paired with the peers' pending one silently;
+      refuses calls: RuntimeError without a collective);
+    * layer_input / router: a rank whose MoELayer raised before its dispatch (the layer's
+      input checks, its router) dispatches nothing and abandons the call: its peer raises
+      CallAbandoned naming it, and the next call works on both, with the right output (the
+      call was not accounted for: under tp the next call paired with the peer's pending one,
+      whose tokens differ, and returned a wrong output silently);
     * experts / combine_check: a rank that raised between dispatch and combine takes its part
       in the combine without a result: its peer raises RuntimeError naming it, the next call
       works on both;
-    * experts_everywhere: every rank raised there (e.g. OOM): a retry works."""
+    * layer_input_everywhere / experts_everywhere: every rank raised there (e.g. OOM): a
+      retry works."""
     r0, r1 = pools(2).run(w_out_of_step, topo_name, failure, timeout_s=60)
     assert r0[0] == r1[0] == "ok"
-    if failure in ("validation", "layer_input", "router"):
-        assert r1[1][0] == ("RuntimeError" if failure == "router" else "TypeError"), r1[1]
+    if failure == "validation":
+        assert r1[1][0] == "TypeError", r1[1]
         for typ, msg in (r0[1], r1[2]):
             assert typ == "ValueError" and "the ranks are out of step" in msg, msg
         # the ranks cannot get back in step: rank 0's third call raises without a collective
@@ -285,11 +291,15 @@ def test_a_rank_that_goes_on_after_an_error_is_caught(pools, topo_name, failure)
         return
     if failure == "experts_everywhere":
         assert r0[1] == r1[1] == ("RuntimeError", "planted expert failure")
+    elif failure == "layer_input_everywhere":
+        assert r0[1][0] == r1[1][0] == "TypeError", (r0[1], r1[1])
     else:
-        assert r1[1][0] == ("RuntimeError" if failure == "experts" else "TypeError"), r1[1]
+        assert r1[1][0] == ("TypeError" if failure in ("layer_input", "combine_check")
+                            else "RuntimeError"), r1[1]
         assert r0[1][0] == "CallAbandoned" and "rank" in r0[1][1] and (
             "left dispatch #2 " in r0[1][1] and "without its combine" in r0[1][1]), r0[1]
     assert r0[2] == r1[2] == "ok"
+    assert r0[3] and r1[3]  # calls 1 and 3: the same tokens, the same output
 
 
 def w_raise_on_rank1(rank, world):

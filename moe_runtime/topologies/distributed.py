@@ -51,7 +51,8 @@ row exchange meets the peers' next collective and gloo / NCCL abort the process 
 mismatch); a cute tp call with T = 0 (it launches nothing: the next call with tokens compares
 the sites).
 A rank that raised between a dispatch and its combine (e.g. in the experts, or in combine's
-checks) takes its part in that combine without a result (`abandon`; MoELayer does it): a
+checks) takes its part in that combine without a result (`abandon`; MoELayer does it, and
+also dispatches no tokens and abandons for a forward that raised before its dispatch): a
 header of kind "abandoned" (tp) or a status row per peer (dp), so its peers raise
 RuntimeError naming it and every rank stays in step (a retry works). On the cute backends it
 marks the peer buffers broken instead (the peers' kernels time out; every rank then calls
