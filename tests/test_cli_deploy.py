@@ -479,10 +479,11 @@ def test_sigterm_during_make_checkpoint_removes_its_partial_output(tmp_path, mon
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_make_checkpoint_fills_an_empty_directory_given_as_dot_or_a_link(tmp_path, monkeypatch):
+def test_make_checkpoint_fills_an_empty_directory_given_as_dot_or_a_link(tmp_path, monkeypatch,
+                                                                         capsys):
     """An existing empty OUT_DIR is filled in place: `.` (rename of '.': EINVAL) and a symlink
     to an empty directory (ENOTDIR) failed with errno text and exit 1; a SIGTERM while filling
-    one leaves it empty."""
+    one leaves it empty; a file that appears there meanwhile is neither replaced nor removed."""
     import moe_runtime.models.make_checkpoint as mc
     (tmp_path / "here").mkdir()
     (tmp_path / "target").mkdir()
@@ -495,11 +496,27 @@ def test_make_checkpoint_fills_an_empty_directory_given_as_dot_or_a_link(tmp_pat
         assert "config.json" in files and "model.safetensors" in files, (d, files)
         assert not any(f.startswith(".make_checkpoint") for f in files)
     assert (tmp_path / "link").is_symlink()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert cli_main(["make-checkpoint", "--preset", "tiny", str(tmp_path / "dangling")]) == 2
+    assert "dangling is a symbolic link to nothing that exists" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
+    modes = mc._apply_umask_modes
     monkeypatch.setattr(mc, "_apply_umask_modes",
                         lambda tmp: os.kill(os.getpid(), signal.SIGTERM))
     assert cli_main(["make-checkpoint", "--preset", "tiny", str(tmp_path / "empty")]) == 143
     assert os.listdir(tmp_path / "empty") == []
+
+    def user_writes(tmp):  # a file of the user's appears in OUT_DIR meanwhile: kept as it is
+        (tmp_path / "empty" / "tokenizer.json").write_text("user data")
+        modes(tmp)
+    monkeypatch.setattr(mc, "_apply_umask_modes", user_writes)
+    assert cli_main(["make-checkpoint", "--preset", "tiny", str(tmp_path / "empty")]) == 1
+    assert "tokenizer.json appeared while the checkpoint was made" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "empty") == ["tokenizer.json"]
+    assert (tmp_path / "empty" / "tokenizer.json").read_text() == "user data"
+    monkeypatch.setattr(mc, "_apply_umask_modes", modes)
+    assert cli_main(["make-checkpoint", "--preset", "tiny", str(tmp_path / "empty")]) == 2
+    assert "exists and is not empty (it holds tokenizer.json)" in capsys.readouterr().err
 
 
 def test_generate_without_weights_fails_before_ray_starts(ckpt, tmp_path, capsys, no_engine):

@@ -307,10 +307,15 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
     if not out_dir:
         raise ValueError("out_dir must be a directory path, got an empty one")
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):  # (dangling, or a loop)
+        raise ValueError(f"{out_dir} is a symbolic link to nothing that exists "
+                         f"({os.readlink(out_dir)})")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"{out_dir} exists and is not empty")
+        held = sorted(os.listdir(out_dir))
+        raise ValueError(f"{out_dir} exists and is not empty (it holds {', '.join(held[:3])}"
+                         f"{', ...' if len(held) > 3 else ''})")
     parent = os.path.dirname(os.path.abspath(out_dir))
     existing = parent
     while not os.path.exists(existing):  # (the root exists)
@@ -351,15 +356,19 @@ def make_checkpoint(out_dir: str, arch: str = "qwen3-moe", preset: str = "tiny",
         _apply_umask_modes(tmp)
         if into:
             for name in os.listdir(tmp):
-                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+                dst = os.path.join(out_dir, name)
+                if os.path.lexists(dst):  # (never replace what appeared there meanwhile)
+                    raise FileExistsError(f"{dst} appeared while the checkpoint was made")
                 moved.append(name)
+                os.rename(os.path.join(tmp, name), dst)
             os.rmdir(tmp)
         else:
             os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for name in moved:
-            os.remove(os.path.join(out_dir, name))
+        for name in moved:  # (each checked absent before it was moved in: this run's own)
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, name))
         raise
     return out_dir
 
