@@ -126,6 +126,8 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
         rope_parameters(cfg, spec.rotary_dim or spec.head_dim)  # (the ranks compute it again)
     except (TypeError, ValueError) as e:  # e.g. num_experts not divisible by n_group, longrope
         raise ValueError(f"{model_dir}/config.json: {e}") from e
+    except Exception as e:  # (transformers' RoPE functions on parameters they cannot use)
+        raise ValueError(f"{model_dir}/config.json: {type(e).__name__}: {e}") from e
     if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         from transformers import GenerationConfig
         try:
