@@ -208,12 +208,12 @@ def swap_moe_layers(model: nn.Module, topology="local", **kw) -> nn.Module:
 
     Raises:
         TypeError: a keyword other than backend/group/align.
-        ValueError: the model holds an MoE block (a module with an `experts` or `router` child) of a class
-            not in the module docstring's table (the message names it and lists the supported
-            ones), a supported block that deviates from the supported form (activation other than
-            SiLU, unfused or biased experts, pre-5.0 transformers layout, a submodule of another
-            class such as a PEFT adapter wrapper), a block whose weights are on the meta device
-            (not loaded yet), or no MoE block at all.
+        ValueError: the model holds an MoE block (a module with an `experts` or `router`
+            child) of a class not in the module docstring's table (the message names it and
+            lists the supported ones), a supported block that deviates from the supported
+            form (activation other than SiLU, unfused or biased experts, pre-5.0 transformers
+            layout, a submodule of another class such as a PEFT adapter wrapper), a block
+            whose weights are on the meta device (not loaded yet), or no MoE block at all.
             Nothing is replaced when it raises. Errors of MoELayer / the topology pass through.
     """
     if not isinstance(model, nn.Module):

@@ -108,10 +108,10 @@ class ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
-                self.sliding_window, int) or self.sliding_window < 1):
-            raise ValueError(f"sliding_window must be None or a positive int, got "
-                             f"{self.sliding_window!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, got {window!r}")
 
     @property
     def dtype(self) -> torch.dtype:
