@@ -417,8 +417,34 @@ class MoELayer(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """y = the MoE layer (+ shared expert) applied to every token (`_forward`, where the
-        arguments, the result and the errors are described).
+        """y = the MoE layer (+ shared expert) applied to every token.
+
+        Args:
+            hidden_states: [..., H] on the layer's device (any leading shape, e.g. [T, H] or
+                [B, S, H]; zero tokens allowed) in the dtype of the layer's weights: config.dtype,
+                which a cast of the layer (`.to(torch.bfloat16)`, `.half()`) changes, or what
+                FSDP2's mixed precision gives them. Under torch.autocast a floating input of
+                another dtype is cast to it (the ops inside then autocast as usual).
+
+        Returns:
+            [..., H] with hidden_states' shape, in the layer's dtype (`dtype`). Under autocast
+            to another dtype the shared expert's output comes in that dtype and the sum
+            follows torch's type promotion, as in HF's blocks (a bf16 layer with a shared
+            expert under fp16 autocast returns float32); calls under autocast never replay
+            CUDA graphs.
+
+        Raises:
+            TypeError: not a tensor, not dense (sparse, nested), another dtype than the
+                weights' (outside autocast), weights of different dtypes (e.g. `.half()` on a
+                submodule only), or float64.
+            ValueError: last dimension not H, another device than the weights, the meta
+                device (a layer not materialized yet), a weight
+                replaced by one of another shape without an assignment (`.data = `), or
+                backend="cute" where it cannot run (autograd recording, not CUDA, CuTeDSL
+                not importable).
+            RuntimeError: a CUDA-graph capture of a forward that autograd records; and in
+                backward, from the output of a multi-rank topology's forward (`tp`, `dp_*`:
+                the collectives have no backward, see `_NoBackward`).
 
         Under a multi-rank topology a forward that raises before its dispatch (a refused
         input, a router error) still takes this rank's part in that call, whose exchange its
@@ -465,35 +491,7 @@ class MoELayer(nn.Module):
             topology._count_call(layer)
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """y = the MoE layer (+ shared expert) applied to every token.
-
-        Args:
-            hidden_states: [..., H] on the layer's device (any leading shape, e.g. [T, H] or
-                [B, S, H]; zero tokens allowed) in the dtype of the layer's weights: config.dtype,
-                which a cast of the layer (`.to(torch.bfloat16)`, `.half()`) changes, or what
-                FSDP2's mixed precision gives them. Under torch.autocast a floating input of
-                another dtype is cast to it (the ops inside then autocast as usual).
-
-        Returns:
-            [..., H] with hidden_states' shape, in the layer's dtype (`dtype`). Under autocast
-            to another dtype the shared expert's output comes in that dtype and the sum
-            follows torch's type promotion, as in HF's blocks (a bf16 layer with a shared
-            expert under fp16 autocast returns float32); calls under autocast never replay
-            CUDA graphs.
-
-        Raises:
-            TypeError: not a tensor, not dense (sparse, nested), another dtype than the
-                weights' (outside autocast), weights of different dtypes (e.g. `.half()` on a
-                submodule only), or float64.
-            ValueError: last dimension not H, another device than the weights, the meta
-                device (a layer not materialized yet), a weight
-                replaced by one of another shape without an assignment (`.data = `), or
-                backend="cute" where it cannot run (autograd recording, not CUDA, CuTeDSL
-                not importable).
-            RuntimeError: a CUDA-graph capture of a forward that autograd records; and in
-                backward, from the output of a multi-rank topology's forward (`tp`, `dp_*`:
-                the collectives have no backward, see `_NoBackward`).
-        """
+        """forward's body (all of it on the local topology)."""
         c = self.config
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
