@@ -686,8 +686,7 @@ def test_ray_address_from_the_environment_is_joined(monkeypatch):
     monkeypatch.setattr(driver, "_check_reachable", lambda address, timeout_s: checked.append(address))
     fake_ray = SimpleNamespace(is_initialized=lambda: bool(calls), init=lambda **kw: calls.append(kw),
                                cluster_resources=lambda: {"CPU": 4.0})
-    eng = Engine.__new__(Engine)
-    eng.world_size, eng.timeout_s, eng._started_ray = 2, 30.0, False
+    eng = _bare_engine()
     eng._init_ray(fake_ray, None, "cpu", {})
     assert checked == ["10.0.0.1:6379"] and calls == [{"address": "10.0.0.1:6379"}]
     assert not eng._started_ray
@@ -696,8 +695,34 @@ def test_ray_address_from_the_environment_is_joined(monkeypatch):
 def _bare_engine(world_size: int = 2) -> Engine:
     eng = Engine.__new__(Engine)
     eng.world_size, eng.timeout_s, eng._started_ray = world_size, 30.0, False
-    eng.workers, eng.placement_group = [], None
+    eng.workers, eng.placement_group, eng._joined_ray, eng._stopped_by = [], None, False, None
     return eng
+
+
+def test_an_engine_that_joined_a_cluster_disconnects_at_shutdown(monkeypatch):
+    """A cluster an Engine joined stayed connected after its shutdown: the next Engine in the
+    process reused that connection and, once the cluster had restarted, Ray's C++ check
+    aborted the whole process. A connection the user made (ray.init before the Engine) stays."""
+    from types import SimpleNamespace
+
+    from moe_runtime.engine import driver
+    state = {"up": False, "shutdowns": 0}
+    fake = SimpleNamespace(
+        is_initialized=lambda: state["up"], init=lambda **kw: state.update(up=True),
+        shutdown=lambda: state.update(up=False, shutdowns=state["shutdowns"] + 1),
+        cluster_resources=lambda: {"CPU": 4.0},
+        get_runtime_context=lambda: SimpleNamespace(gcs_address="10.0.0.1:6379"))
+    monkeypatch.setattr(driver, "_check_reachable", lambda address, timeout_s: None)
+    monkeypatch.setattr(driver, "_ray_module", lambda: fake)
+    eng = _bare_engine()
+    eng._init_ray(fake, "10.0.0.1:6379", "cpu", {})
+    eng.shutdown()
+    assert state == {"up": False, "shutdowns": 1}
+    state["up"] = True  # (the user's own ray.init)
+    eng = _bare_engine()
+    eng._init_ray(fake, "10.0.0.1:6379", "cpu", {})
+    eng.shutdown()
+    assert state == {"up": True, "shutdowns": 1}
 
 
 def test_signal_inside_ray_init_is_an_interrupt_and_stops_the_half_started_ray(monkeypatch):

@@ -393,6 +393,8 @@ class Engine:
         self.rank_info: list[dict] = []
         self.device: Optional[str] = None  # "cuda" or "cpu" once Ray is up
         self._started_ray = False  # (shutdown stops it)
+        self._joined_ray = False  # (shutdown disconnects from it: a cluster restarted since
+        # would fail the next Engine's calls on the stale connection, in Ray's C++ code)
         from ..models import read_spec
         self.spec = read_spec(model_dir, dtype)[0]  # config problems fail before Ray starts
         check_weights(model_dir)  # so do missing weights
@@ -495,6 +497,7 @@ class Engine:
                     raise ConnectionError(f"RAY_ADDRESS in the environment: {e}") from e
                 raise
             if not ray.is_initialized():
+                self._joined_ray = True
                 try:
                     ray.init(address=address, **extra)
                 except ConnectionError as e:  # Ray's text names its own CLI flag (--address)
@@ -850,7 +853,8 @@ class Engine:
     def shutdown(self) -> None:
         """Leave the process group on every rank (best effort, bounded), kill the actors, remove
         the placement group, and stop Ray if this engine started it (also when its ray.init
-        was interrupted halfway). Idempotent. Where Ray's GCS stopped answering (`ray_lost`,
+        was interrupted halfway), or disconnect from a cluster it joined itself (a cluster the
+        process was connected to before stays connected). Idempotent. Where Ray's GCS stopped answering (`ray_lost`,
         found by `_kill_workers`) it makes no further Ray request: ray.shutdown would wait
         for the GCS, and Ray ends a process whose GCS stays unreachable for 60 s (the CLI
         exits at once instead, see cli.exit_with)."""
@@ -879,7 +883,9 @@ class Engine:
         if self._started_ray and ours:
             ray.shutdown()  # (safe on a Ray that never finished starting)
             _EMBEDDED.clear()  # (whatever it named is not running now)
-        self._started_ray = False
+        elif self._joined_ray and ours and ray.is_initialized():
+            ray.shutdown()  # (disconnects this process; the cluster runs on)
+        self._started_ray = self._joined_ray = False
 
     @property
     def ray_lost(self) -> bool:
