@@ -253,6 +253,9 @@ def check_generate_inputs(model_dir: str, prompts: Sequence[str], args) -> None:
     try:
         if address is not None:
             check_ray_address(address, "--ray-address")
+            if address == "auto" and os.environ.get("RAY_ADDRESS"):  # (which Ray's auto reads)
+                check_ray_address(os.environ["RAY_ADDRESS"],
+                                  "RAY_ADDRESS in the environment (read by --ray-address auto)")
         elif os.environ.get("RAY_ADDRESS"):  # (the Engine joins it; "" counts as unset)
             address = os.environ["RAY_ADDRESS"]
             check_ray_address(address, "RAY_ADDRESS in the environment")

@@ -351,6 +351,11 @@ def test_ray_address_from_the_environment_is_checked_and_empty_is_unset(ckpt, ca
     assert cli_main(["generate", "--model", str(ckpt), "--prompt", "hi"]) == 2
     assert ("RAY_ADDRESS in the environment must be 'auto' or the cluster's GCS host:port"
             in capsys.readouterr().err)
+    monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.1:8265")  # (as set for `ray job submit`)
+    assert cli_main(["generate", "--model", str(ckpt), "--prompt", "hi", "--ray-address",
+                     "auto"]) == 2  # (Ray's "auto" reads it: exit 1 with Ray's own message)
+    assert ("RAY_ADDRESS in the environment (read by --ray-address auto) "
+            "'http://10.0.0.1:8265' is an HTTP address") in capsys.readouterr().err
     monkeypatch.setenv("RAY_ADDRESS", "")
     seen = []
     monkeypatch.setattr("moe_runtime.cli.main", lambda argv, parser=None: seen.append(argv) or 0)
