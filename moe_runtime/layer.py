@@ -450,8 +450,8 @@ class MoELayer(nn.Module):
         input, a router error) still takes this rank's part in that call, whose exchange its
         peers wait in: it dispatches no tokens and abandons the call (`Topology.abandon`), so
         the peers raise CallAbandoned naming this rank and every rank stays in step (a retry
-        works). Where that cannot run (an interrupt, a CUDA graph capture or replay, or the
-        empty dispatch failing), the call is still counted (`GroupTopology.calls`): the
+        works). Where that cannot run (an interrupt, a CUDA graph capture such as the engine's
+        decode graphs, or the empty dispatch failing), the call is still counted (`GroupTopology.calls`): the
         rank's next call is then refused as out of step on every rank. Unaccounted for, it
         paired with the peers' pending call: wrong `tp` outputs without an error.
         """
@@ -471,9 +471,8 @@ class MoELayer(nn.Module):
         topology's count before the call)."""
         topology, layer = self.topology, self.__dict__.get("_topology_layer", 0)
         w = self._modules["experts"].gate_up_proj
-        replaying = self.__dict__.get("_replaying", False)
         capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
-        if isinstance(error, Exception) and not (replaying or capturing):
+        if isinstance(error, Exception) and not capturing:
             k = self.config.top_k
             try:
                 x = torch.empty(0, self.config.hidden_size, dtype=self._weights_dtype(),
@@ -539,11 +538,7 @@ class MoELayer(nn.Module):
             router = unwrapped(self.router)
             if router.kept_logits is not None:  # (swap_moe_layers' recording: see Router)
                 router.kept_logits = None
-            self.__dict__["_replaying"] = True  # (a failure here: see _abandon_undispatched)
-            try:
-                y = self.cuda_graphs(x)
-            finally:
-                self.__dict__["_replaying"] = False
+            y = self.cuda_graphs(x)
         else:
             y = self._forward_tokens(x)
         if self.topology.name != "local" and self._wants_grad(x):

@@ -854,17 +854,17 @@ class Engine:
         """Leave the process group on every rank (best effort, bounded), kill the actors, remove
         the placement group, and stop Ray if this engine started it (also when its ray.init
         was interrupted halfway), or disconnect from a cluster it joined itself (a cluster the
-        process was connected to before stays connected). Idempotent. Where Ray's GCS stopped answering (`ray_lost`,
-        found by `_kill_workers`) it makes no further Ray request: ray.shutdown would wait
-        for the GCS, and Ray ends a process whose GCS stays unreachable for 60 s (the CLI
-        exits at once instead, see cli.exit_with)."""
+        process was connected to before stays connected). Idempotent. Where Ray's GCS stopped
+        answering (`ray_lost`, found by `_kill_workers`) it makes no further Ray request:
+        ray.shutdown would wait for the GCS, and Ray ends a process whose GCS stays
+        unreachable for 60 s (the CLI exits at once instead, see cli.exit_with)."""
         ray = _ray_module()
         if ray is None:  # interrupted inside `import ray`: nothing was started
             return
         if self.ray_lost:  # (the rank processes here were killed when it was found)
             self.workers, self.placement_group = [], None
             self._stopped_by = None
-            self._started_ray = False
+            self._started_ray = self._joined_ray = False
             return
         # the Ray up now is this engine's unless it has another GCS (the user's own, or another
         # Engine's, started after this engine's Ray was stopped): that one is left alone

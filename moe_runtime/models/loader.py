@@ -89,10 +89,10 @@ def read_spec(model_dir: str, dtype: Union[str, torch.dtype, None] = None
         FileNotFoundError: no config.json in model_dir.
         ValueError: a config.json transformers cannot read (e.g. a field of the wrong type) or
             whose values the architecture (or its RoPE: `spec.rope_parameters`) refuses (named
-            with the file), unsupported model_type
-            or dtype, an unreadable generation_config.json, or a quantized checkpoint (config.json
-            has a `quantization_config`: FP8, GPTQ, AWQ, ...; only float32 / bfloat16 / float16
-            / float64 weights are read).
+            with the file), unsupported model_type or dtype, an unreadable
+            generation_config.json, or a quantized checkpoint (config.json has a
+            `quantization_config`: FP8, GPTQ, AWQ, ...; only float32 / bfloat16 / float16 /
+            float64 weights are read).
     """
     from transformers import AutoConfig
 
